@@ -1,0 +1,155 @@
+"""Sharded checkpoints with torch.distributed.checkpoint, published atomically.
+
+Layout of a run's checkpoints:
+  checkpoints/step_00000100/          a complete checkpoint (DCP shards, rng/, manifest.json)
+  checkpoints/step_00000200.partial/  one being written: never loaded, removed at the next start
+
+Every rank writes its shards into the `.partial` folder; after a barrier, rank 0 writes
+manifest.json (the training state and the model shape) and renames the folder. A crash at any
+moment therefore leaves either the previous complete checkpoint or the new one, never a
+half-written folder that looks complete. DCP reshards on load, so a checkpoint written by N
+processes loads into any other number.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from pretrain.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"
+# The model fields that decide the shapes of the saved tensors.
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(PARTIAL)]
+    return sorted((p for p in found if (p / MANIFEST).is_file()), key=lambda p: p.name)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def model_shape(cfg: ModelConfig) -> dict[str, Any]:
+    shape = {name: getattr(cfg, name) for name in SHAPE_FIELDS}
+    shape["n_kv_heads"] = cfg.kv_heads
+    return shape
+
+
+def check_compatible(path: Path, cfg: ModelConfig) -> None:
+    """Raise CheckpointError naming the differing fields if `path` holds another model's weights."""
+    saved = read_manifest(path).get("model_shape", {})
+    wanted = model_shape(cfg)
+    differing = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in wanted.items() if saved.get(k) != v]
+    if differing:
+        raise CheckpointError(
+            f"checkpoint {path} was written for another model shape: {', '.join(differing)}; "
+            "use a new run directory or the model config it was trained with"
+        )
+
+
+def remove_partials(root: Path) -> None:
+    """Drop folders left by saves that never finished (rank 0 only, before training starts)."""
+    if root.is_dir():
+        for path in root.glob(f"step_*{PARTIAL}"):
+            log.warning("removing unfinished checkpoint %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep: int) -> None:
+        self.root = root
+        self.keep = keep
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+             model_cfg: ModelConfig) -> Path:
+        """Write a checkpoint of everything needed to continue exactly; returns its folder."""
+        final = self.root / step_dir_name(step)
+        partial = final.with_name(final.name + PARTIAL)
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            (partial / "rng").mkdir(parents=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            self._publish(partial, final, {
+                "step": step,
+                "world_size": dist.get_world_size(),
+                "model_shape": model_shape(model_cfg),
+                "train_state": train_state,
+            })
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _publish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
+        tmp = partial / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, partial / MANIFEST)
+        if final.exists():  # the same step saved again (e.g. a preemption at a checkpoint step)
+            shutil.rmtree(final)
+        os.replace(partial, final)
+
+    def _prune(self) -> None:
+        for old in complete_checkpoints(self.root)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore model, optimizer and this rank's RNG; returns the saved training state."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
+        if rng_file.is_file():  # absent when resuming with more processes than saved
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        return read_manifest(path)["train_state"]
+
+

@@ -1,0 +1,183 @@
+"""The configuration schema: every key, its type and its default, defined once.
+
+Hydra composes the YAML files under conf/ on top of these dataclasses (registered in the
+ConfigStore as `base_config`), so a misspelt key or a wrong type fails at composition.
+`validate()` then checks what types cannot: sizes, divisibility, names, files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+CHECKPOINTING = ("none", "selective", "full")
+MFU_ACCOUNTING = ("causal", "reference")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the key and the reason."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    # Key/value heads for grouped-query attention; null means one per query head.
+    n_kv_heads: Optional[int] = None
+    ffn_hidden: int = 768
+    vocab_size: int = 320
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+@dataclass
+class FSDPConfig:
+    strategy: str = "full_shard"
+    # hybrid_shard: ranks per shard group; null means the GPUs of one node.
+    shard_size: Optional[int] = None
+    activation_checkpointing: str = "none"
+    compile: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    # auto: bf16 on a GPU that has it, fp32 elsewhere.
+    name: str = "auto"
+    # fp16 only: dynamic loss scaling.
+    init_scale: float = 65536.0
+    growth_interval: int = 1000
+
+
+@dataclass
+class DataConfig:
+    # A folder written by `python -m pretrain.data.prepare`; null means the built-in corpus.
+    path: Optional[str] = None
+    # Random tokens instead of a dataset, for throughput benchmarks.
+    synthetic: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    # null: fused AdamW where the device supports it.
+    fused: Optional[bool] = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    seq_len: int = 256
+    # Global batch in sequences; global_batch_tokens, when set, takes precedence.
+    global_batch: int = 16
+    global_batch_tokens: Optional[int] = None
+    micro_batch: int = 8
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    ckpt_keep: int = 2
+    # Stop after this many consecutive steps with a non-finite loss or gradient.
+    max_bad_steps: int = 5
+
+
+@dataclass
+class MetricsConfig:
+    # Peak FLOP/s of one device for MFU; null looks it up from the GPU's name.
+    peak_flops: Optional[float] = None
+    # "causal": attention counted as the causal half; "reference": torchtitan's full square.
+    accounting: str = "causal"
+
+
+@dataclass
+class LocalConfig:
+    # Processes on this machine; null means one per visible GPU, or 1 without GPUs.
+    nproc: Optional[int] = None
+
+
+@dataclass
+class ContainerConfig:
+    image: str = "???"
+    runtime: str = "apptainer"
+    binds: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "???"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_task: int = 8
+    mem_gb: Optional[int] = None
+    time_min: int = 60 * 24
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    max_requeues: int = 10
+    signal_delay_s: int = 120
+    env: dict[str, str] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)
+    container: Optional[ContainerConfig] = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    local: LocalConfig = field(default_factory=LocalConfig)
+    cluster: Optional[ClusterConfig] = None
+    dry_run: bool = False
+    # Filled in by the launcher: where the run lives.
+    run_dir: str = "???"
+
+
+def register() -> None:
+    """Make the schema known to Hydra; conf/config.yaml lists `base_config` first in its defaults."""
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+
+
+def from_container(data: Any) -> Config:
+    """A typed Config from a dict or DictConfig (e.g. a run's saved config.yaml)."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(Config), data)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def global_batch(train: TrainConfig) -> int:
+    """The global batch in sequences, from whichever of the two settings is given."""
+    if train.global_batch_tokens is not None:
+        return train.global_batch_tokens // train.seq_len
+    return train.global_batch
+
+
+def grad_accum_steps(train: TrainConfig, world_size: int) -> int:
+    return global_batch(train) // (world_size * train.micro_batch)

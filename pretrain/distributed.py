@@ -1,0 +1,113 @@
+"""Process identity and the process group: from torchrun-style variables or from Slurm.
+
+One process per GPU. The standard RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
+variables win (torchrun, our local launcher, any launcher that sets them); otherwise Slurm's
+srun variables are used. NCCL where CUDA is available, gloo elsewhere (CPU test nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list, e.g. 'gpu[012-015,20],cpu1' -> 'gpu012'."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        pass  # scontrol may be missing inside a container: parse the list ourselves.
+    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_port(job_id: str) -> int:
+    """A port all tasks of one job agree on without talking: derived from the job id."""
+    return 20000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
+
+
+def detect() -> DistEnv:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", 1)))
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=int(env["SLURM_NTASKS"]) // max(nodes, 1),
+            master_addr=env.get("MASTER_ADDR") or first_slurm_host(env["SLURM_JOB_NODELIST"]),
+            master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
+        )
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())
+
+
+def device_for(env: DistEnv) -> torch.device:
+    if torch.cuda.is_available():
+        # Slurm may expose all of a node's GPUs to every task, or one each.
+        index = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 600) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def all_agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any rank: one small all-reduce."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)

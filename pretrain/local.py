@@ -1,0 +1,111 @@
+"""Training on this machine: one process per visible GPU, or local.nproc CPU processes (gloo).
+
+With one process the training runs inside the launcher's own process. With more, each rank is
+a `python -m pretrain.train RUN_DIR` child with the standard RANK/WORLD_SIZE/... variables:
+rank 0 prints to this terminal, the others write RUN_DIR/logs/rank<N>.log. If any rank fails,
+the others are stopped and the failing rank's log is named.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pretrain.config import Config
+from pretrain.distributed import free_port
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def nproc(cfg: Config) -> int:
+    if cfg.local.nproc is not None:
+        return cfg.local.nproc
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        # Two ranks sharing a few cores fight over threads; torchrun sets the same.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // world_size, 1))),
+    }
+
+
+def run(cfg: Config) -> int:
+    world = nproc(cfg)
+    if world == 1:
+        return run_in_process(cfg)
+    return run_processes(cfg, world)
+
+
+def run_in_process(cfg: Config) -> int:
+    from pretrain import train
+
+    os.environ.update(rank_env(0, 1, free_port()))
+    try:
+        result = train.run(cfg)
+    except train.TrainingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 3 if result["stopped_early"] else 0
+
+
+def run_processes(cfg: Config, world: int) -> int:
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, **rank_env(rank, world, port)}
+        cmd = [sys.executable, "-m", "pretrain.train", str(run_dir)]
+        if rank == 0:
+            procs.append(subprocess.Popen(cmd, env=env))
+        else:
+            with (run_dir / "logs" / f"rank{rank}.log").open("ab") as log:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return wait_all(procs, run_dir)
+
+
+def wait_all(procs: list[subprocess.Popen], run_dir: Path) -> int:
+    """Wait for every rank; on the first failure stop the rest and say which rank failed and where."""
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0, 3)]
+            if failed:
+                rank, code = failed[0]
+                stop(procs)
+                where = "the output above" if rank == 0 else str(run_dir / "logs" / f"rank{rank}.log")
+                print(f"error: rank {rank} exited with code {code}; see {where}", file=sys.stderr)
+                return code if code > 0 else 1
+            if all(code is not None for code in codes):
+                return max(codes)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        # Ctrl-C reached every child too (same process group): they checkpoint and stop.
+        for p in procs:
+            p.wait()
+        return 130
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()

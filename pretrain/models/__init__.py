@@ -1,0 +1,1 @@
+"""Model definitions. Models know nothing of distribution: see pretrain.parallelize."""

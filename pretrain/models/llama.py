@@ -1,0 +1,149 @@
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Plain PyTorch in the spirit of nanoGPT. Nothing here knows about processes, meshes or
+precision policies; `pretrain.parallelize` applies those to a built model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the compute dtype: bf16 variance loses too much.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_frequencies(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """Complex rotations e^{i*t*w_k} for positions t < seq_len, shape [seq_len, head_dim/2]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x [batch, seq, heads, head_dim] by freqs [seq, head_dim/2]."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = pairs * freqs[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.n_kv_heads != self.n_heads:
+            repeat = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # A buffer, not a parameter: recomputed after loading, never checkpointed.
+        self.register_buffer("freqs", self._freqs(), persistent=False)
+
+    def _freqs(self, device: torch.device | None = None) -> torch.Tensor:
+        return rope_frequencies(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight; also valid after `to_empty()` from the meta device.
+
+        Residual projections (wo, w2) are scaled by 1/sqrt(2*n_layers), as in GPT-2 and torchtitan,
+        so the residual stream's variance does not grow with depth.
+        """
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.cfg.tie_embeddings else std)
+        for block in self.layers:
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1, block.feed_forward.w3):
+                nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+            for linear in (block.attention.wo, block.feed_forward.w2):
+                nn.init.trunc_normal_(linear.weight, std=residual_std, a=-3 * residual_std, b=3 * residual_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            out_std = self.cfg.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        self.freqs = self._freqs(self.freqs.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for token ids [batch, seq]."""
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h, self.freqs)
+        return self.output(self.norm(h))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))

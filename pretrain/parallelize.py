@@ -1,0 +1,98 @@
+"""Apply FSDP2, activation checkpointing and torch.compile to a built model.
+
+The model knows nothing of this; the training loop calls `build_mesh` and `parallelize`.
+Sharding strategies map onto FSDP2 (`fully_shard`) as follows:
+  full_shard     1-D mesh over all ranks, parameters resharded after forward
+  shard_grad_op  1-D mesh, parameters kept gathered between forward and backward
+  hybrid_shard   2-D mesh (replicate, shard): replicate across groups, shard within one
+  no_shard       2-D mesh (world, 1): every rank holds everything, gradients all-reduced
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pretrain.config import FSDPConfig
+
+try:  # torch >= 2.6 exports FSDP2 here; 2.4-2.5 kept it under _composable.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - depends on the installed torch
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def mesh_shape(strategy: str, world_size: int, shard_size: int) -> tuple[int, ...]:
+    """The device-mesh shape for a strategy; shard_size only matters for hybrid_shard."""
+    if strategy in ("full_shard", "shard_grad_op"):
+        return (world_size,)
+    if strategy == "hybrid_shard":
+        return (world_size // shard_size, shard_size)
+    if strategy == "no_shard":
+        return (world_size, 1)
+    raise ValueError(f"unknown sharding strategy {strategy!r}")
+
+
+def build_mesh(cfg: FSDPConfig, device: torch.device, world_size: int, local_world_size: int) -> DeviceMesh:
+    shape = mesh_shape(cfg.strategy, world_size, cfg.shard_size or local_world_size)
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def mixed_precision(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """Compute in param_dtype; master weights and gradient reduction stay fp32."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Wrap each transformer block: 'full' recomputes everything, 'selective' keeps matmul outputs."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrap = partial(checkpoint_wrapper, preserve_rng_state=False)
+    if mode == "selective":
+        wrap = partial(wrap, context_fn=_save_matmuls_policy)
+    for index, block in enumerate(model.layers):
+        model.layers[index] = wrap(block)
+
+
+def _save_matmuls_policy():
+    """Selective checkpointing: save matmul and attention outputs, recompute the cheap pointwise ops."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately: FSDP2's hooks stay between blocks, and blocks share one graph."""
+    for index, block in enumerate(model.layers):
+        model.layers[index] = torch.compile(block)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype) -> None:
+    """fully_shard per block and at the root, with the mixed-precision policy."""
+    reshard = strategy != "shard_grad_op"
+    policy = mixed_precision(param_dtype)
+    last = len(model.layers) - 1
+    for index, block in enumerate(model.layers):
+        # The last block's parameters are needed again at once by backward: keep them.
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard and index < last)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype) -> nn.Module:
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
+    apply_fsdp(model, mesh, cfg.strategy, param_dtype)
+    return model

@@ -1,0 +1,363 @@
+"""The training loop: builds the model, parallelizes it, and trains with checkpoints and exact resume.
+
+Run by every process of a job:
+    python -m pretrain.train RUN_DIR                  # RUN_DIR/config.yaml written by pretrain.launch
+    torchrun --nproc-per-node 2 -m pretrain.train RUN_DIR [overrides...]   # composes conf/ itself
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain import checkpoint, config, distributed, flops, logs, precision
+from pretrain.checkpoint import Checkpointer
+from pretrain.config import Config
+from pretrain import run_data as source
+from pretrain.models.llama import Transformer, cross_entropy
+from pretrain.optim import build_optimizer, lr_factor, set_lr
+from pretrain.parallelize import build_mesh, parallelize
+from pretrain.preemption import StopRequest
+
+log = logging.getLogger("pretrain")
+
+# Models up to this many parameters are initialised on the CPU at full size, which makes the
+# initial weights independent of the number of processes; larger ones start on the meta device.
+FULL_INIT_MAX_PARAMS = 3_000_000_000
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    samples: int = 0
+    skipped_steps: int = 0
+    bad_in_a_row: int = 0
+    restarts: int = 0
+
+
+def build_model(cfg: Config, device: torch.device, mesh) -> torch.nn.Module:
+    torch.manual_seed(cfg.train.seed)
+    small = flops.parameter_count(cfg.model) <= FULL_INIT_MAX_PARAMS
+    with torch.device("cpu" if small else "meta"):
+        model = Transformer(cfg.model)
+    if small:
+        model.init_weights()
+    dtype = precision.compute_dtype(cfg.precision.name, device)
+    parallelize(model, cfg.fsdp, mesh, dtype)
+    if not small:
+        model.to_empty(device=device)
+        model.init_weights()
+    model.to(device)  # non-persistent buffers (RoPE) of the fully-initialised path
+    return model
+
+
+def local_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def params_finite(model: torch.nn.Module, device: torch.device) -> bool:
+    """True when every parameter shard on every rank is finite."""
+    bad = torch.zeros((), device=device)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        bad += (~torch.isfinite(local)).sum()
+    dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.device = device
+        self.run_dir = Path(cfg.run_dir)
+        self.global_batch = config.global_batch(cfg.train)
+        self.accum = config.grad_accum_steps(cfg.train, env.world_size)
+        self.mesh = build_mesh(cfg.fsdp, device, env.world_size, env.local_world_size)
+        self.precision = precision.resolve(cfg.precision.name, device)
+        if self.precision == "fp32" and device.type == "cuda":
+            precision.allow_tf32()
+        self.model = build_model(cfg, device, self.mesh)
+        self.optimizer = build_optimizer(self.model, cfg.optim, device)
+        self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
+        self.data = source.open_train(cfg)
+        self.val_data = source.open_val(cfg)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.train.ckpt_keep)
+        self.metrics = logs.MetricsFile(self.run_dir / "metrics.jsonl")
+        self.state = TrainState()
+        self.stop = StopRequest()
+        self.flops_per_token = flops.flops_per_token(cfg.model, cfg.train.seq_len, cfg.metrics.accounting)
+        self.peak_flops = self._peak_flops()
+
+    def _peak_flops(self) -> float | None:
+        if self.cfg.metrics.peak_flops is not None:
+            return self.cfg.metrics.peak_flops
+        if self.device.type == "cuda":
+            return flops.peak_flops_for(torch.cuda.get_device_name(self.device))
+        return None
+
+    # ---- resume -------------------------------------------------------------------------------
+    def resume(self) -> Path | None:
+        root = self.run_dir / "checkpoints"
+        if self.env.is_main:
+            checkpoint.remove_partials(root)
+        dist.barrier()
+        path = checkpoint.latest_checkpoint(root)
+        if path is None:
+            return None
+        checkpoint.check_compatible(path, self.cfg.model)
+        saved = self.checkpointer.load(path, self.model, self.optimizer)
+        self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
+        self.state.restarts += 1
+        if "scaler" in saved:
+            self.scaler.load_state_dict(saved["scaler"])
+        if self.env.is_main:
+            self.metrics.truncate_after(self.state.step)
+        log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples)
+        return path
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = source.rank_indices(self.state.samples, self.global_batch, self.env.world_size, self.env.rank,
+                                      self.cfg.train.micro_batch, micro)
+        inputs, targets = self.data.get_batch(indices, self.cfg.train.seq_len, self.cfg.train.seed)
+        non_blocking = self.device.type == "cuda"
+        if non_blocking:
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+        return inputs.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
+
+    def train_step(self) -> tuple[torch.Tensor, float]:
+        """Forward/backward over the accumulation micro-batches and one optimizer step.
+
+        Returns this rank's mean loss (a device tensor: no host sync) and the global gradient norm.
+        A non-finite gradient norm (from a non-finite loss or gradient on any rank, or an fp16
+        overflow) skips the update on every rank alike, since the norm is all-reduced.
+        """
+        set_lr(self.optimizer, self.cfg.optim.lr * lr_factor(self.state.step, self.cfg.optim, self.cfg.train.steps))
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            inputs, targets = self._batch(micro)
+            self.model.set_requires_gradient_sync(micro == self.accum - 1)
+            loss = cross_entropy(self.model(inputs), targets) / self.accum
+            self.scaler.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+        params = local_params(self.model)
+        self.scaler.unscale_(params)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update(finite)
+        self._count(finite)
+        self.state.step += 1
+        self.state.samples += self.global_batch
+        return loss_sum, grad_norm
+
+    def _count(self, finite: bool) -> None:
+        if finite:
+            self.state.bad_in_a_row = 0
+            return
+        self.state.skipped_steps += 1
+        self.state.bad_in_a_row += 1
+        what = "gradient overflow (fp16), loss scale lowered" if self.scaler.enabled else "non-finite loss or gradient"
+        log.warning("step %d skipped: %s (%d in a row, %d in all)", self.state.step + 1, what,
+                    self.state.bad_in_a_row, self.state.skipped_steps)
+        if self.state.bad_in_a_row >= self.cfg.train.max_bad_steps and not self.scaler.enabled:
+            raise TrainingError(
+                f"{self.state.bad_in_a_row} steps in a row had a non-finite loss or gradient "
+                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); training stopped at step {self.state.step}. "
+                "Lower optim.lr, raise optim.warmup_steps or check the data; the last checkpoint is intact."
+            )
+
+    def mean_across_ranks(self, value: torch.Tensor) -> float:
+        value = value.detach().clone().float()
+        dist.all_reduce(value)
+        return value.item() / self.env.world_size
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.val_data is None:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for batch in range(self.cfg.train.eval_batches):
+            indices = source.rank_indices(batch * self.global_batch, self.global_batch, self.env.world_size,
+                                          self.env.rank, self.cfg.train.micro_batch, 0)
+            inputs, targets = self.val_data.get_batch(indices, self.cfg.train.seq_len, self.cfg.train.seed)
+            total += cross_entropy(self.model(inputs.to(self.device)), targets.to(self.device))
+        self.model.train()
+        return self.mean_across_ranks(total / self.cfg.train.eval_batches)
+
+    def save(self) -> Path:
+        if not params_finite(self.model, self.device):
+            raise TrainingError(f"parameters are not finite at step {self.state.step}: refusing to write a checkpoint "
+                                "(the previous one is intact)")
+        extra = {"scaler": self.scaler.state_dict()} if self.scaler.enabled else {}
+        path = self.checkpointer.save(self.state.step, self.model, self.optimizer, {**asdict(self.state), **extra},
+                                      self.cfg.model)
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        resumed = self.resume()
+        train = self.cfg.train
+        log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s, "
+                 "fsdp %s", self.cfg.model.name, f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size,
+                 self.accum, train.micro_batch, self.precision, self.cfg.fsdp.strategy)
+        self.stop.install()
+        last_ckpt = resumed
+        window_start, window_steps, loss = time.perf_counter(), 0, float("nan")
+        started, start_step = time.perf_counter(), self.state.step
+        while self.state.step < train.steps:
+            loss_t, grad_norm = self.train_step()
+            window_steps += 1
+            step = self.state.step
+            if step % train.log_every == 0 or step == train.steps:
+                loss = self.mean_across_ranks(loss_t)
+                elapsed = time.perf_counter() - window_start
+                self.log_step(loss, grad_norm, window_steps, elapsed, (time.perf_counter() - started) / (step - start_step))
+                window_start, window_steps = time.perf_counter(), 0
+            if train.eval_every and step % train.eval_every == 0:
+                eval_loss = self.evaluate()
+                if eval_loss is not None and self.env.is_main:
+                    log.info("step %d | eval loss %.4f", step, eval_loss)
+                    self.metrics.write({"step": step, "eval_loss": eval_loss})
+            stop = self.stop.agreed(self.device)
+            if step % train.ckpt_every == 0 or step == train.steps or stop:
+                last_ckpt = self.save()
+            if stop:
+                log.warning("stopping at step %d on %s; checkpoint %s", step, self.stop.reason, last_ckpt)
+                return self.summary(loss, last_ckpt, stopped=True)
+        return self.summary(loss, last_ckpt, stopped=False)
+
+    def log_step(self, loss: float, grad_norm: float, steps: int, elapsed: float, step_time: float) -> None:
+        if not self.env.is_main:
+            return
+        tokens = steps * self.global_batch * self.cfg.train.seq_len
+        tokens_per_s = tokens / max(elapsed, 1e-9)
+        per_device = tokens_per_s / self.env.world_size
+        record = {
+            "step": self.state.step,
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "tokens_seen": self.state.samples * self.cfg.train.seq_len,
+            "step_time_s": elapsed / steps,
+            "mem_gb": memory_gb(self.device),
+            "skipped_steps": self.state.skipped_steps,
+            "restarts": self.state.restarts,
+            "time": time.time(),
+        }
+        if self.peak_flops:
+            record["mfu"] = per_device * self.flops_per_token / self.peak_flops
+        if self.scaler.enabled:
+            record["loss_scale"] = self.scaler.scale
+        self.metrics.write(record)
+        eta = logs.human_duration(step_time * (self.cfg.train.steps - self.state.step))
+        mfu = f"{record['mfu']:.1%}" if "mfu" in record else "-"
+        log.info("step %d/%d | loss %.4f | lr %.2e | grad %.2f | %s tok/s | mfu %s | mem %.1f GB | eta %s",
+                 self.state.step, self.cfg.train.steps, loss, record["lr"], grad_norm, f"{tokens_per_s:,.0f}",
+                 mfu, record["mem_gb"], eta)
+
+    def summary(self, loss: float, last_ckpt: Path | None, stopped: bool) -> dict[str, Any]:
+        records = [r for r in self.metrics.records() if "loss" in r] if self.env.is_main else []
+        result = {
+            "run_dir": str(self.run_dir),
+            "step": self.state.step,
+            "final_loss": loss,
+            "first_loss": records[0]["loss"] if records else None,
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "skipped_steps": self.state.skipped_steps,
+            "stopped_early": stopped,
+        }
+        if self.env.is_main:
+            first = f"{result['first_loss']:.4f} -> " if result["first_loss"] is not None else ""
+            log.info("done: step %d, loss %s%.4f, %d skipped steps\n  run directory: %s\n  checkpoint:    %s\n  metrics:       %s",
+                     self.state.step, first, loss, self.state.skipped_steps, self.run_dir, last_ckpt,
+                     self.run_dir / "metrics.jsonl")
+        return result
+
+
+def memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def run(cfg: Config, prepare: bool = False) -> dict[str, Any]:
+    """Train in this process as one rank of the job described by the environment.
+
+    prepare: the run directory was not written by `pretrain.launch` (e.g. under torchrun):
+    every rank checks the config, rank 0 writes the run directory, the others wait for it.
+    """
+    env = distributed.detect()
+    device = distributed.device_for(env)
+    if prepare:
+        from pretrain import launch
+
+        launch.check_run(cfg)
+        if env.is_main:
+            launch.write_run(cfg)
+    distributed.init_process_group(env, device)
+    logs.setup(Path(cfg.run_dir), env.rank)
+    try:
+        return Trainer(cfg, env, device).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def load_run_config(run_dir: Path, overrides: list[str]) -> tuple[Config, bool]:
+    """The run's saved config, or (under torchrun, with none saved) one composed from conf/.
+
+    Returns the config and whether the run directory still has to be prepared.
+    """
+    saved = run_dir / "config.yaml"
+    if saved.is_file() and not overrides:
+        from omegaconf import OmegaConf
+
+        cfg = config.from_container(OmegaConf.load(saved))
+        cfg.run_dir = str(run_dir)
+        return cfg, False
+    from pretrain import launch
+
+    return launch.compose(overrides + [f"run_dir={run_dir}"]), True
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m pretrain.train RUN_DIR [overrides...]", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0]).resolve()
+    from pretrain.data.errors import DataError
+
+    try:
+        cfg, prepare = load_run_config(run_dir, argv[1:])
+        result = run(cfg, prepare)
+    except (config.ConfigError, checkpoint.CheckpointError, DataError, TrainingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 3 if result["stopped_early"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Checks a composed config before any process starts or anything is submitted.
+
+Each failure is a ConfigError whose message is one line: the key, its value, the reason,
+and where useful what would work.
+"""
+
+from __future__ import annotations
+
+from pretrain import config
+from pretrain.config import Config, ConfigError
+
+
+def _positive(values: dict[str, float | int | None]) -> None:
+    for key, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}={value}: must be greater than 0")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: unknown; choose one of {', '.join(allowed)}")
+
+
+def validate_model(cfg: Config) -> None:
+    m = cfg.model
+    _positive({"model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+               "model.n_kv_heads": m.n_kv_heads, "model.ffn_hidden": m.ffn_hidden, "model.vocab_size": m.vocab_size,
+               "model.max_seq_len": m.max_seq_len, "model.rope_theta": m.rope_theta, "model.init_std": m.init_std})
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.dim={m.dim}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads}: the head size must be even for RoPE")
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.kv_heads} does not divide model.n_heads={m.n_heads}")
+
+
+def validate_train(cfg: Config, world_size: int) -> None:
+    t, o = cfg.train, cfg.optim
+    _positive({"train.steps": t.steps, "train.seq_len": t.seq_len, "train.global_batch": t.global_batch,
+               "train.global_batch_tokens": t.global_batch_tokens, "train.micro_batch": t.micro_batch,
+               "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.ckpt_keep": t.ckpt_keep,
+               "train.eval_batches": t.eval_batches, "train.max_bad_steps": t.max_bad_steps,
+               "optim.lr": o.lr, "optim.grad_clip": o.grad_clip, "optim.eps": o.eps})
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every}: must be 0 (no evaluation) or more")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps}: must be 0 or more")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be between 0 and 1")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if t.global_batch_tokens is not None and t.global_batch_tokens % t.seq_len:
+        raise ConfigError(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
+                          f"train.seq_len={t.seq_len}")
+    batch = config.global_batch(t)
+    per_step = world_size * t.micro_batch
+    if batch % per_step:
+        fits = per_step * max(batch // per_step, 1)
+        raise ConfigError(f"global batch {batch} sequences does not divide by world size {world_size} x "
+                          f"train.micro_batch={t.micro_batch} = {per_step}; e.g. train.global_batch={fits}")
+
+
+def validate_parallel(cfg: Config, world_size: int, local_world_size: int) -> None:
+    f = cfg.fsdp
+    _one_of("fsdp.strategy", f.strategy, config.STRATEGIES)
+    _one_of("fsdp.activation_checkpointing", f.activation_checkpointing, config.CHECKPOINTING)
+    _positive({"fsdp.shard_size": f.shard_size})
+    if f.strategy != "hybrid_shard":
+        return
+    shard = f.shard_size or local_world_size
+    if world_size % shard:
+        raise ConfigError(f"fsdp.shard_size={shard} does not divide the world size {world_size}")
+    if world_size // shard < 2:
+        raise ConfigError(f"fsdp.strategy=hybrid_shard with shard groups of {shard} on {world_size} ranks leaves a "
+                          "replicate degree of 1; use full_shard, more nodes, or a smaller fsdp.shard_size")
+
+
+def validate_precision(cfg: Config, has_cuda: bool) -> None:
+    _one_of("precision.name", cfg.precision.name, config.PRECISIONS)
+    _positive({"precision.init_scale": cfg.precision.init_scale, "precision.growth_interval": cfg.precision.growth_interval})
+    if cfg.precision.name == "fp16" and not has_cuda:
+        raise ConfigError("precision=fp16 needs a CUDA GPU (fp16 matmuls and loss scaling) and none is visible "
+                          "here; use precision=bf16 or fp32 on CPUs")
+    _one_of("metrics.accounting", cfg.metrics.accounting, config.MFU_ACCOUNTING)
+    _positive({"metrics.peak_flops": cfg.metrics.peak_flops})
+
+
+def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
+    """Raise ConfigError for the first setting that cannot work on `world_size` ranks."""
+    _positive({"local.nproc": cfg.local.nproc})
+    validate_model(cfg)
+    validate_train(cfg, world_size)
+    validate_parallel(cfg, world_size, local_world_size)
+    validate_precision(cfg, has_cuda)

@@ -1,0 +1,498 @@
+#!/usr/bin/env bash
+# localcluster.sh - a real, throw-away Slurm cluster on localhost.
+#
+# Used by the test suite (tests/slurm/fixture.py) and by contributors who want a
+# cluster to submit `pretrain` jobs to. Everything the cluster owns (configs,
+# state, spool, logs, pid files, the munge socket and key, the MariaDB datadir
+# and socket, fake GPU device files) lives under one directory DIR, so several
+# clusters (or a system-wide Slurm/MariaDB/munge) can coexist on one machine as
+# long as they use different ports (see "Ports" below).
+#
+# Usage:
+#   localcluster.sh install          apt-get install the packages (no-op if present)
+#   localcluster.sh start DIR        start a fresh cluster in DIR; on success the
+#                                    only line on stdout is
+#                                      export SLURM_CONF=DIR/etc/slurm.conf
+#                                    so `eval "$(localcluster.sh start DIR)"` works.
+#                                    Progress and errors go to stderr.
+#   localcluster.sh stop DIR         cancel its jobs, stop exactly the daemons that
+#                                    `start DIR` started (pid files in DIR/run)
+#   localcluster.sh status DIR       show which of its daemons run, and sinfo
+#
+# The cluster: ClusterName=localcluster, two nodes n1 and n2 (two slurmd on this
+# host, MULTIPLE_SLURMD), each CPUs=4, RealMemory=4000, 2 fake GPUs (gres gpu:2,
+# character devices under DIR/dev), one partition `debug` (Default, no time
+# limit), accounting through slurmdbd + MariaDB so `sacct` works, requeued jobs
+# restart after about 10 s.
+#
+# `start` is idempotent: if the cluster in DIR is already up it only prints the
+# export line. Otherwise it stops whatever is left of an earlier cluster in DIR,
+# wipes its state (job ids restart at 1, node DRAIN states and the accounting
+# database are gone) and starts from scratch. If a daemon fails to come up, the
+# tail of its log is printed, the daemons started so far are stopped and the
+# exit status is 1. All waits are bounded (LOCALCLUSTER_TIMEOUT seconds each).
+#
+# Ports (environment, defaults in brackets); n2's slurmd uses SLURMD_PORT+1:
+#   LOCALCLUSTER_CTLD_PORT [16817]  LOCALCLUSTER_DBD_PORT [16819]
+#   LOCALCLUSTER_SLURMD_PORT [17001]
+# Other knobs: LOCALCLUSTER_TIMEOUT [60] (seconds per wait).
+#
+# Needs root (SlurmUser=root, mknod, and `127.0.0.1 n1 n2` is added to
+# /etc/hosts because jobs resolve node names, e.g. for MASTER_ADDR) and the
+# Debian/Ubuntu packages slurmctld slurmd slurm-client slurmdbd munge
+# mariadb-server. No systemd needed: every daemon runs in its foreground mode in
+# the background of this script, its output going to DIR/log.
+
+set -euo pipefail
+
+PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
+BINARIES=(munged munge unmunge mariadbd mariadb mariadb-install-db slurmdbd slurmctld slurmd
+          sinfo sbatch srun squeue scontrol sacct sacctmgr scancel)
+NODES=(n1 n2)
+CLUSTER_NAME=localcluster
+
+CTLD_PORT=${LOCALCLUSTER_CTLD_PORT:-16817}
+DBD_PORT=${LOCALCLUSTER_DBD_PORT:-16819}
+SLURMD_PORT=${LOCALCLUSTER_SLURMD_PORT:-17001}
+TIMEOUT=${LOCALCLUSTER_TIMEOUT:-60}
+
+log() { printf 'localcluster: %s\n' "$*" >&2; }
+die() { printf 'localcluster: error: %s\n' "$*" >&2; exit 1; }
+
+usage() {
+    sed -n '/^# Usage:/,/^# The cluster:/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
+    exit 2
+}
+
+# ---------------------------------------------------------------------------
+# helpers
+
+missing_binaries() {
+    local b out=()
+    for b in "${BINARIES[@]}"; do
+        command -v "$b" >/dev/null 2>&1 || [[ -x /usr/sbin/$b ]] || out+=("$b")
+    done
+    echo "${out[*]}"
+}
+
+# Which daemons exist, in start order (stop goes the other way).
+daemon_names() { echo munged mariadbd slurmdbd slurmctld "${NODES[@]/#/slurmd-}"; }
+
+pid_of() { # name -> pid from DIR/run/NAME.pid, or nothing
+    local f=$RUN/$1.pid
+    [[ -s $f ]] && cat "$f" || true
+}
+
+# True if PID is alive AND was started by us for this DIR: every daemon we start
+# carries LOCALCLUSTER_DIR=$DIR in its environment, which guards against
+# killing an unrelated process that reused the pid.
+is_ours() {
+    local pid=$1
+    [[ -n $pid && -r /proc/$pid/environ ]] || return 1
+    { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qxF "LOCALCLUSTER_DIR=$DIR"
+}
+
+alive() { is_ours "$(pid_of "$1")"; }
+
+logfile_of() { echo "$LOGDIR/$1.log"; }
+
+show_log() { # name [lines]
+    local f
+    f=$(logfile_of "$1")
+    if [[ -s $f ]]; then
+        printf -- '----- last %s lines of %s -----\n' "${2:-25}" "$f" >&2
+        tail -n "${2:-25}" "$f" >&2
+        printf -- '-----\n' >&2
+    else
+        printf -- '(%s is empty or missing)\n' "$f" >&2
+    fi
+}
+
+# Fail during start: show the log of the culprit, stop what was started, exit 1.
+start_failed() { # name message
+    local name=$1; shift
+    printf 'localcluster: error: %s\n' "$*" >&2
+    show_log "$name" 40
+    log "stopping the daemons started so far (logs stay in $LOGDIR)"
+    stop_daemons || true
+    exit 1
+}
+
+# Start a daemon in the background (it must stay in the foreground itself),
+# in directory WORKDIR, recording its pid. Output goes to DIR/log/NAME.log.
+# slurmstepd (forked by slurmd) keeps slurmd's working directory but not its
+# environment, which is how `stop` recognises leftover step daemons.
+spawn() { # name workdir cmd...
+    local name=$1 workdir=$2; shift 2
+    (
+        cd "$workdir"
+        export LOCALCLUSTER_DIR=$DIR
+        exec "$@"
+    ) </dev/null >>"$(logfile_of "$name")" 2>&1 &
+    local pid=$! i
+    echo "$pid" >"$RUN/$name.pid"
+    # Until the subshell has exec'd, /proc/PID/environ lacks the marker and
+    # the daemon would look dead to `alive`.
+    for ((i = 0; i < 100; i++)); do
+        is_ours "$pid" || ! kill -0 "$pid" 2>/dev/null && break
+        sleep 0.05
+    done
+}
+
+# Poll CMD until it succeeds; give up after TIMEOUT seconds or as soon as the
+# daemon NAME has died.
+wait_for() { # name description cmd...
+    local name=$1 what=$2; shift 2
+    local deadline=$((SECONDS + TIMEOUT))
+    until "$@" >/dev/null 2>&1; do
+        alive "$name" || start_failed "$name" "$name exited while waiting for: $what"
+        ((SECONDS < deadline)) || start_failed "$name" "timed out after ${TIMEOUT}s waiting for: $what"
+        sleep 0.2
+    done
+}
+
+port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+slurm() { SLURM_CONF=$CONF "$@"; }
+
+# ---------------------------------------------------------------------------
+# install
+
+cmd_install() {
+    local missing
+    missing=$(missing_binaries)
+    if [[ -z $missing ]]; then
+        log "packages already installed"
+        return 0
+    fi
+    [[ $EUID -eq 0 ]] || die "missing: $missing; installing needs root (apt-get install ${PACKAGES[*]})"
+    command -v apt-get >/dev/null || die "missing: $missing; no apt-get here, install ${PACKAGES[*]} by hand"
+    export DEBIAN_FRONTEND=noninteractive
+    log "installing ${PACKAGES[*]}"
+    # Install from the existing package lists first; refresh them only if needed.
+    if ! apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" >&2; then
+        apt-get update -q >&2 || die "apt-get update failed"
+        apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" >&2 || die "apt-get install failed"
+    fi
+    missing=$(missing_binaries)
+    [[ -z $missing ]] || die "still missing after install: $missing"
+}
+
+# ---------------------------------------------------------------------------
+# configuration
+
+write_configs() {
+    local host gres_files i
+    host=$(hostname -s)
+
+    # Fake GPUs: gres needs File= to point at something; character devices
+    # (same numbers as /dev/null) keep slurmd quiet, regular files merely warn.
+    for i in 0 1; do
+        mknod "$DIR/dev/gpu$i" c 1 3 2>/dev/null || : >"$DIR/dev/gpu$i"
+    done
+    gres_files="$DIR/dev/gpu[0-1]"
+
+    cat >"$DIR/etc/slurm.conf" <<EOF
+# Generated by localcluster.sh; throw-away test cluster on localhost.
+ClusterName=$CLUSTER_NAME
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# socket: our own munged; cred_expire: a requeued job may start again after
+# this many seconds (default 120).
+AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=10
+
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool/%n
+SlurmctldPidFile=$DIR/run/slurmctld.daemon.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.daemon.pid
+# No SlurmctldLogFile/SlurmdLogFile: in -D mode the daemons log to stderr,
+# which goes to DIR/log/NAME.log (a log file would get every line twice).
+SlurmctldDebug=info
+SlurmdDebug=info
+TmpFS=$DIR/tmp
+MailProg=/bin/true
+
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=2,sched_interval=2
+# The node definitions below claim more than this host may have.
+SlurmdParameters=config_overrides
+ReturnToService=2
+JobRequeue=1
+KillWait=5
+InactiveLimit=0
+MinJobAge=300
+SlurmdTimeout=30
+GresTypes=gpu
+
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=$DBD_PORT
+# With auth/munge this is the munge socket used to talk to slurmdbd (AuthInfo's
+# socket= is not used for that); without it the default /run/munge is tried.
+AccountingStoragePass=$DIR/munge/munge.socket
+AccountingStorageTRES=gres/gpu
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+
+NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 1)) CPUs=4 RealMemory=4000 Gres=gpu:2 State=UNKNOWN
+PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+EOF
+
+    cat >"$DIR/etc/gres.conf" <<EOF
+AutoDetect=off
+NodeName=n[1-2] Name=gpu File=$gres_files
+EOF
+
+    cat >"$DIR/etc/cgroup.conf" <<EOF
+CgroupPlugin=autodetect
+EOF
+
+    DB_PASS=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')
+    cat >"$DIR/etc/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+AuthInfo=socket=$DIR/munge/munge.socket
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=$DIR/run/slurmdbd.daemon.pid
+DebugLevel=info
+StorageType=accounting_storage/mysql
+# localhost: the unix socket given by MYSQL_UNIX_PORT (our own mariadbd).
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=$DB_PASS
+StorageLoc=slurm_acct_db
+EOF
+    chmod 600 "$DIR/etc/slurmdbd.conf"
+}
+
+ensure_hosts_entry() {
+    local n missing=()
+    for n in "${NODES[@]}"; do
+        getent hosts "$n" >/dev/null 2>&1 || missing+=("$n")
+    done
+    ((${#missing[@]} == 0)) && return 0
+    [[ -w /etc/hosts ]] || die "node names ${missing[*]} do not resolve and /etc/hosts is not writable; add: 127.0.0.1 ${missing[*]}"
+    printf '127.0.0.1 %s  # added by localcluster.sh\n' "${missing[*]}" >>/etc/hosts
+    log "added '127.0.0.1 ${missing[*]}' to /etc/hosts"
+}
+
+# ---------------------------------------------------------------------------
+# start
+
+sql() { mariadb --no-defaults -S "$DIR/mysql/mysqld.sock" -u root "$@"; }
+
+munge_works() {
+    munge -n -S "$DIR/munge/munge.socket" | unmunge -S "$DIR/munge/munge.socket"
+}
+
+slurmctld_up() { slurm scontrol ping | grep -q 'is UP'; }
+
+nodes_idle() { # all nodes idle, as seen by slurmctld
+    local states
+    states=$(slurm sinfo -h -N -o '%N %T' | sort -u)
+    [[ $(grep -c ' idle$' <<<"$states") -eq ${#NODES[@]} ]]
+}
+
+accounting_works() {
+    slurm sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER_NAME" &&
+        slurm sacct -n -X -a >/dev/null
+}
+
+cmd_start() {
+    local t0=$SECONDS missing p name
+    missing=$(missing_binaries)
+    [[ -z $missing ]] || die "missing programs: $missing (run: $0 install)"
+    [[ $EUID -eq 0 ]] || die "must run as root (SlurmUser=root, mknod, /etc/hosts)"
+
+    if [[ -s $CONF ]]; then
+        local all=1
+        for name in $(daemon_names); do alive "$name" || all=0; done
+        if ((all)) && nodes_idle_or_busy; then
+            log "already running in $DIR"
+            echo "export SLURM_CONF=$CONF"
+            return 0
+        fi
+    fi
+    if [[ -d $RUN ]]; then
+        for name in $(daemon_names); do
+            if alive "$name"; then
+                log "stopping what is left of the earlier cluster in $DIR"
+                stop_daemons
+                break
+            fi
+        done
+    fi
+
+    for p in "$CTLD_PORT" "$DBD_PORT" "$SLURMD_PORT" "$((SLURMD_PORT + 1))"; do
+        ! port_in_use "$p" || die "port $p on 127.0.0.1 is in use (another cluster?); pick others with LOCALCLUSTER_CTLD_PORT / LOCALCLUSTER_DBD_PORT / LOCALCLUSTER_SLURMD_PORT"
+    done
+
+    rm -rf "$DIR"/{etc,run,log,state,spool,munge,mysql,dev,tmp}
+    mkdir -p "$DIR"/{etc,run,log,state,dev,tmp,mysql} "${NODES[@]/#/$DIR/spool/}"
+    install -d -m 0755 "$DIR/munge"   # munged refuses group/other-writable dirs
+    ensure_hosts_entry
+    write_configs
+
+    # munge, with its own key and socket.
+    dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
+    chmod 400 "$DIR/munge/munge.key"
+    spawn munged "$RUN" munged -F -f --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
+        --pid-file="$DIR/run/munged.daemon.pid" --seed-file="$DIR/munge/munged.seed"
+    wait_for munged "munge credentials to round-trip" munge_works
+
+    # MariaDB: own datadir and socket, no TCP, run as root so DIR may be private.
+    mariadb-install-db --no-defaults --user=root --datadir="$DIR/mysql/data" \
+        --auth-root-authentication-method=socket --skip-test-db >"$LOGDIR/mariadb-install-db.log" 2>&1 ||
+        { log "mariadb-install-db failed"; show_log mariadb-install-db 40; stop_daemons; exit 1; }
+    spawn mariadbd "$RUN" mariadbd --no-defaults --user=root --datadir="$DIR/mysql/data" \
+        --socket="$DIR/mysql/mysqld.sock" --skip-networking --pid-file="$DIR/run/mariadbd.daemon.pid" \
+        --skip-log-bin --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 \
+        --innodb-flush-log-at-trx-commit=0
+    wait_for mariadbd "MariaDB to accept connections" sql -e 'SELECT 1'
+    sql <<EOF || start_failed mariadbd "could not create the accounting database"
+DROP DATABASE IF EXISTS slurm_acct_db;
+CREATE DATABASE slurm_acct_db;
+CREATE USER 'slurm'@'localhost' IDENTIFIED BY '$DB_PASS';
+GRANT ALL PRIVILEGES ON slurm_acct_db.* TO 'slurm'@'localhost';
+FLUSH PRIVILEGES;
+EOF
+
+    # slurmdbd finds our MariaDB through MYSQL_UNIX_PORT (StorageHost=localhost).
+    spawn slurmdbd "$RUN" env SLURM_CONF="$CONF" MYSQL_UNIX_PORT="$DIR/mysql/mysqld.sock" slurmdbd -D
+    wait_for slurmdbd "slurmdbd to listen on port $DBD_PORT" port_in_use "$DBD_PORT"
+
+    spawn slurmctld "$RUN" env SLURM_CONF="$CONF" slurmctld -D -i -f "$CONF"
+    wait_for slurmctld "slurmctld to answer 'scontrol ping'" slurmctld_up
+
+    for name in "${NODES[@]}"; do
+        spawn "slurmd-$name" "$DIR/spool/$name" env SLURM_CONF="$CONF" slurmd -D -N "$name" -f "$CONF"
+    done
+    for name in "${NODES[@]}"; do
+        wait_for "slurmd-$name" "node $name to be idle in sinfo" nodes_idle
+    done
+    wait_for slurmctld "the cluster to be registered in accounting (sacctmgr/sacct)" accounting_works
+
+    log "cluster up in $((SECONDS - t0))s: $(slurm sinfo -h -o '%P %D %T %N' | tr '\n' ' ')"
+    echo "export SLURM_CONF=$CONF"
+}
+
+nodes_idle_or_busy() { # used for the "already running" check: nodes answer
+    local states
+    states=$(slurm sinfo -h -N -o '%T' 2>/dev/null) || return 1
+    ! grep -qiE 'down|drain|fail|unknown|not_responding|inval' <<<"$states" && [[ -n $states ]]
+}
+
+# ---------------------------------------------------------------------------
+# stop
+
+# Leftover slurmstepd processes of this cluster: their working directory is
+# the spool directory of the slurmd that forked them.
+stray_stepds() {
+    local p cwd
+    for p in $(pgrep -x slurmstepd || true); do
+        cwd=$(readlink "/proc/$p/cwd" 2>/dev/null) || continue
+        [[ $cwd == "$DIR/"* ]] && echo "$p"
+    done
+    return 0
+}
+
+terminate() { # name pid: SIGTERM, bounded wait, SIGKILL
+    local name=$1 pid=$2 i
+    kill -TERM "$pid" 2>/dev/null || return 0
+    for ((i = 0; i < 100; i++)); do   # 20 s
+        is_ours "$pid" || return 0
+        [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) == Z ]] && return 0
+        sleep 0.2
+    done
+    log "$name (pid $pid) ignored SIGTERM for 20s, sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+}
+
+stop_daemons() {
+    local names name pid i left
+    [[ -d $RUN ]] || return 0
+    # Cancel jobs first so that slurmstepd and the jobs' processes go away too.
+    if alive slurmctld && [[ -s $CONF ]]; then
+        if [[ -n $(slurm squeue -h -o %i 2>/dev/null) ]]; then
+            slurm scancel --full --quiet $(slurm squeue -h -o %i) 2>/dev/null || true
+            for ((i = 0; i < 75; i++)); do   # KillWait=5 plus slack
+                [[ -z $(slurm squeue -h -t running,completing -o %i 2>/dev/null) ]] && break
+                sleep 0.2
+            done
+        fi
+    fi
+    read -r -a names <<<"$(daemon_names)"
+    for ((i = ${#names[@]} - 1; i >= 0; i--)); do
+        name=${names[i]}
+        pid=$(pid_of "$name")
+        if is_ours "$pid"; then
+            terminate "$name" "$pid"
+        fi
+        rm -f "$RUN/$name.pid"
+    done
+    # Leftover job step daemons of this cluster, if any.
+    left=$(stray_stepds)
+    for pid in $left; do
+        log "killing leftover process $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null))"
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+    # Reap our own background children, if this shell started them.
+    wait 2>/dev/null || true
+}
+
+cmd_stop() {
+    [[ -d $DIR ]] || { log "nothing to stop in $DIR"; return 0; }
+    stop_daemons
+    log "stopped cluster in $DIR"
+}
+
+cmd_status() {
+    local name pid rc=0
+    for name in $(daemon_names); do
+        pid=$(pid_of "$name")
+        if is_ours "$pid"; then
+            printf '%-12s running (pid %s)\n' "$name" "$pid"
+        else
+            printf '%-12s not running\n' "$name"
+            rc=3
+        fi
+    done
+    if alive slurmctld; then slurm sinfo -N -l || true; fi
+    return $rc
+}
+
+# ---------------------------------------------------------------------------
+
+main() {
+    local cmd=${1:-}
+    case $cmd in
+        install) cmd_install; return ;;
+        start | stop | status) ;;
+        *) usage ;;
+    esac
+    [[ $# -eq 2 && -n $2 ]] || usage
+    DIR=$(realpath -m -- "$2")
+    [[ $DIR != / ]] || die "refusing to use / as the cluster directory"
+    # Unix socket paths (munge, MariaDB, slurmstepd under DIR/spool/NODE) are
+    # limited to 107 bytes.
+    ((${#DIR} <= 70)) || die "DIR is too long for unix socket paths (${#DIR} > 70 characters): $DIR"
+    CONF=$DIR/etc/slurm.conf
+    RUN=$DIR/run
+    LOGDIR=$DIR/log
+    DB_PASS=
+    "cmd_$cmd"
+}
+
+main "$@"

@@ -15,7 +15,6 @@ from hydra.core.config_store import ConfigStore
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 CHECKPOINTING = ("none", "selective", "full")
-MFU_ACCOUNTING = ("causal", "reference")
 
 
 class ConfigError(ValueError):
@@ -105,8 +104,6 @@ class TrainConfig:
 class MetricsConfig:
     # Peak FLOP/s of one device for MFU; null looks it up from the GPU's name.
     peak_flops: Optional[float] = None
-    # "causal": attention counted as the causal half; "reference": torchtitan's full square.
-    accounting: str = "causal"
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Parameter counts, FLOPs per token and peak device throughput, for MFU.
 
-Two accountings of training FLOPs per token (forward + backward = 3x forward):
+Two accountings of training FLOPs per token; metrics report MFU in both (`mfu`, `mfu_reference`) (forward + backward = 3x forward):
   causal     6 * (matmul parameters) + 6 * layers * dim * seq_len
              matmul parameters exclude the input embedding (a lookup) and the norms; attention
              scores and values cost 2 * 2 * seq * dim per token forward, halved by the causal mask.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pretrain.config import ModelConfig
 
+ACCOUNTINGS = ("causal", "reference")
 # Dense bf16/fp16 tensor-core peak per GPU, from the vendors' datasheets.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12}
 

@@ -98,7 +98,8 @@ class Trainer:
         self.metrics = logs.MetricsFile(self.run_dir / "metrics.jsonl")
         self.state = TrainState()
         self.stop = StopRequest()
-        self.flops_per_token = flops.flops_per_token(cfg.model, cfg.train.seq_len, cfg.metrics.accounting)
+        self.flops_per_token = {name: flops.flops_per_token(cfg.model, cfg.train.seq_len, name)
+                                for name in flops.ACCOUNTINGS}
         self.peak_flops = self._peak_flops()
 
     def _peak_flops(self) -> float | None:
@@ -266,7 +267,8 @@ class Trainer:
             "time": time.time(),
         }
         if self.peak_flops:
-            record["mfu"] = per_device * self.flops_per_token / self.peak_flops
+            record["mfu"] = per_device * self.flops_per_token["causal"] / self.peak_flops
+            record["mfu_reference"] = per_device * self.flops_per_token["reference"] / self.peak_flops
         if self.scaler.enabled:
             record["loss_scale"] = self.scaler.scale
         self.metrics.write(record)

@@ -81,7 +81,6 @@ def validate_precision(cfg: Config, has_cuda: bool) -> None:
     if cfg.precision.name == "fp16" and not has_cuda:
         raise ConfigError("precision=fp16 needs a CUDA GPU (fp16 matmuls and loss scaling) and none is visible "
                           "here; use precision=bf16 or fp32 on CPUs")
-    _one_of("metrics.accounting", cfg.metrics.accounting, config.MFU_ACCOUNTING)
     _positive({"metrics.peak_flops": cfg.metrics.peak_flops})
 
 

@@ -17,7 +17,8 @@
 #                                    Progress and errors go to stderr.
 #   localcluster.sh stop DIR         cancel its jobs, stop exactly the daemons that
 #                                    `start DIR` started (pid files in DIR/run)
-#   localcluster.sh status DIR       show which of its daemons run, and sinfo
+#   localcluster.sh status DIR       show which of its daemons run, and sinfo;
+#                                    exit status 3 if any of them is not running
 #
 # The cluster: ClusterName=localcluster, two nodes n1 and n2 (two slurmd on this
 # host, MULTIPLE_SLURMD), each CPUs=4, RealMemory=4000, 2 fake GPUs (gres gpu:2,
@@ -80,7 +81,7 @@ daemon_names() { echo munged mariadbd slurmdbd slurmctld "${NODES[@]/#/slurmd-}"
 
 pid_of() { # name -> pid from DIR/run/NAME.pid, or nothing
     local f=$RUN/$1.pid
-    [[ -s $f ]] && cat "$f" || true
+    if [[ -s $f ]]; then cat "$f"; fi
 }
 
 # True if PID is alive AND was started by us for this DIR: every daemon we start
@@ -108,11 +109,17 @@ show_log() { # name [lines]
     fi
 }
 
-# Fail during start: show the log of the culprit, stop what was started, exit 1.
+# Fail during start: show the log of the culprit (and, once slurmctld runs,
+# its log and the node states), stop what was started, exit 1.
 start_failed() { # name message
     local name=$1; shift
     printf 'localcluster: error: %s\n' "$*" >&2
     show_log "$name" 40
+    if [[ $name == slurmd-* ]] && alive slurmctld; then
+        show_log slurmctld 15
+        printf 'node states (sinfo):\n' >&2
+        slurm sinfo -N -h -o '%N %T %E' >&2 || true
+    fi
     log "stopping the daemons started so far (logs stay in $LOGDIR)"
     stop_daemons || true
     exit 1
@@ -139,17 +146,22 @@ spawn() { # name workdir cmd...
     done
 }
 
-# Poll CMD until it succeeds; give up after TIMEOUT seconds or as soon as the
-# daemon NAME has died.
-wait_for() { # name description cmd...
-    local name=$1 what=$2; shift 2
+# Poll CMD until it succeeds; give up after TIMEOUT seconds or as soon as one
+# of the daemons NAMES (space-separated; the first is blamed on timeout) died.
+wait_for() { # names description cmd...
+    local names=$1 what=$2 name; shift 2
     local deadline=$((SECONDS + TIMEOUT))
     until "$@" >/dev/null 2>&1; do
-        alive "$name" || start_failed "$name" "$name exited while waiting for: $what"
-        ((SECONDS < deadline)) || start_failed "$name" "timed out after ${TIMEOUT}s waiting for: $what"
+        for name in $names; do
+            alive "$name" || start_failed "$name" "$name exited while waiting for: $what"
+        done
+        ((SECONDS < deadline)) || start_failed "${names%% *}" "timed out after ${TIMEOUT}s waiting for: $what"
         sleep 0.2
     done
+    log "$(printf '%5.1fs' "$(elapsed)") ok: $what"
 }
+
+elapsed() { echo "${EPOCHREALTIME/[,.]*/}${EPOCHREALTIME#*[,.]} $T0" | awk '{ printf "%.1f", ($1 - $2) / 1e6 }'; }
 
 port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
@@ -278,9 +290,13 @@ EOF
 }
 
 ensure_hosts_entry() {
-    local n missing=()
+    local n addr missing=()
     for n in "${NODES[@]}"; do
-        getent hosts "$n" >/dev/null 2>&1 || missing+=("$n")
+        if addr=$(getent hosts "$n"); then
+            [[ $addr == 127.* ]] || log "warning: node name $n resolves to ${addr%% *}, not to this host"
+        else
+            missing+=("$n")
+        fi
     done
     ((${#missing[@]} == 0)) && return 0
     [[ -w /etc/hosts ]] || die "node names ${missing[*]} do not resolve and /etc/hosts is not writable; add: 127.0.0.1 ${missing[*]}"
@@ -291,6 +307,7 @@ ensure_hosts_entry() {
 # ---------------------------------------------------------------------------
 # start
 
+# shellcheck disable=SC2120  # called with arguments through wait_for
 sql() { mariadb --no-defaults -S "$DIR/mysql/mysqld.sock" -u root "$@"; }
 
 munge_works() {
@@ -311,7 +328,8 @@ accounting_works() {
 }
 
 cmd_start() {
-    local t0=$SECONDS missing p name
+    local missing p name
+    T0=${EPOCHREALTIME/[,.]*/}${EPOCHREALTIME#*[,.]}
     missing=$(missing_binaries)
     [[ -z $missing ]] || die "missing programs: $missing (run: $0 install)"
     [[ $EUID -eq 0 ]] || die "must run as root (SlurmUser=root, mknod, /etc/hosts)"
@@ -339,7 +357,7 @@ cmd_start() {
         ! port_in_use "$p" || die "port $p on 127.0.0.1 is in use (another cluster?); pick others with LOCALCLUSTER_CTLD_PORT / LOCALCLUSTER_DBD_PORT / LOCALCLUSTER_SLURMD_PORT"
     done
 
-    rm -rf "$DIR"/{etc,run,log,state,spool,munge,mysql,dev,tmp}
+    rm -rf "${DIR:?}"/{etc,run,log,state,spool,munge,mysql,dev,tmp}
     mkdir -p "$DIR"/{etc,run,log,state,dev,tmp,mysql} "${NODES[@]/#/$DIR/spool/}"
     install -d -m 0755 "$DIR/munge"   # munged refuses group/other-writable dirs
     ensure_hosts_entry
@@ -348,6 +366,8 @@ cmd_start() {
     # munge, with its own key and socket.
     dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
     chmod 400 "$DIR/munge/munge.key"
+    # -f: start even if munged finds a stale socket or dislikes a directory's
+    # permissions (e.g. a DIR under a group-writable path).
     spawn munged "$RUN" munged -F -f --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
         --pid-file="$DIR/run/munged.daemon.pid" --seed-file="$DIR/munge/munged.seed"
     wait_for munged "munge credentials to round-trip" munge_works
@@ -361,6 +381,7 @@ cmd_start() {
         --skip-log-bin --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 \
         --innodb-flush-log-at-trx-commit=0
     wait_for mariadbd "MariaDB to accept connections" sql -e 'SELECT 1'
+    # shellcheck disable=SC2119
     sql <<EOF || start_failed mariadbd "could not create the accounting database"
 DROP DATABASE IF EXISTS slurm_acct_db;
 CREATE DATABASE slurm_acct_db;
@@ -379,12 +400,13 @@ EOF
     for name in "${NODES[@]}"; do
         spawn "slurmd-$name" "$DIR/spool/$name" env SLURM_CONF="$CONF" slurmd -D -N "$name" -f "$CONF"
     done
-    for name in "${NODES[@]}"; do
-        wait_for "slurmd-$name" "node $name to be idle in sinfo" nodes_idle
-    done
+    wait_for "${NODES[*]/#/slurmd-} slurmctld" "nodes ${NODES[*]} to be idle in sinfo" nodes_idle
     wait_for slurmctld "the cluster to be registered in accounting (sacctmgr/sacct)" accounting_works
+    for name in $(daemon_names); do
+        alive "$name" || start_failed "$name" "$name exited during start-up"
+    done
 
-    log "cluster up in $((SECONDS - t0))s: $(slurm sinfo -h -o '%P %D %T %N' | tr '\n' ' ')"
+    log "cluster up in $(elapsed)s: $(slurm sinfo -h -o '%P %D %T %N' | tr '\n' ' ')"
     echo "export SLURM_CONF=$CONF"
 }
 
@@ -408,6 +430,19 @@ stray_stepds() {
     return 0
 }
 
+# PIDS and all their descendants.
+with_descendants() {
+    ps -e -o pid=,ppid= | awk -v roots="$*" '
+        BEGIN { n = split(roots, r, " "); for (i = 1; i <= n; i++) keep[r[i]] = 1 }
+        { parent[$1] = $2; pids[++m] = $1 }
+        END {
+            do { changed = 0
+                 for (i = 1; i <= m; i++) if (!(pids[i] in keep) && (parent[pids[i]] in keep)) { keep[pids[i]] = 1; changed = 1 }
+            } while (changed)
+            for (p in keep) print p
+        }'
+}
+
 terminate() { # name pid: SIGTERM, bounded wait, SIGKILL
     local name=$1 pid=$2 i
     kill -TERM "$pid" 2>/dev/null || return 0
@@ -425,8 +460,10 @@ stop_daemons() {
     [[ -d $RUN ]] || return 0
     # Cancel jobs first so that slurmstepd and the jobs' processes go away too.
     if alive slurmctld && [[ -s $CONF ]]; then
-        if [[ -n $(slurm squeue -h -o %i 2>/dev/null) ]]; then
-            slurm scancel --full --quiet $(slurm squeue -h -o %i) 2>/dev/null || true
+        local jobs=()
+        mapfile -t jobs < <(slurm squeue -h -o %i 2>/dev/null)
+        if ((${#jobs[@]})); then
+            slurm scancel --quiet "${jobs[@]}" 2>/dev/null || true
             for ((i = 0; i < 75; i++)); do   # KillWait=5 plus slack
                 [[ -z $(slurm squeue -h -t running,completing -o %i 2>/dev/null) ]] && break
                 sleep 0.2
@@ -442,12 +479,15 @@ stop_daemons() {
         fi
         rm -f "$RUN/$name.pid"
     done
-    # Leftover job step daemons of this cluster, if any.
+    # Job step daemons of this cluster still alive (jobs could not be
+    # cancelled, e.g. slurmctld was gone), with the job processes under them.
     left=$(stray_stepds)
-    for pid in $left; do
-        log "killing leftover process $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null))"
-        kill -KILL "$pid" 2>/dev/null || true
-    done
+    if [[ -n $left ]]; then
+        for pid in $(with_descendants "$left"); do
+            log "killing leftover job process $pid: $({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null)"
+            kill -KILL "$pid" 2>/dev/null || true
+        done
+    fi
     # Reap our own background children, if this shell started them.
     wait 2>/dev/null || true
 }
@@ -492,6 +532,7 @@ main() {
     RUN=$DIR/run
     LOGDIR=$DIR/log
     DB_PASS=
+    T0=
     "cmd_$cmd"
 }
 

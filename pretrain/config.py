@@ -96,6 +96,9 @@ class TrainConfig:
     eval_batches: int = 4
     ckpt_every: int = 100
     ckpt_keep: int = 2
+    # End this job after this step (with a checkpoint) while keeping the schedule of `steps`:
+    # for splitting one run over several allocations. Rerun the same run directory to continue.
+    stop_at_step: Optional[int] = None
     # Stop after this many consecutive steps with a non-finite loss or gradient.
     max_bad_steps: int = 5
 

@@ -238,12 +238,15 @@ class Trainer:
                 if eval_loss is not None and self.env.is_main:
                     log.info("step %d | eval loss %.4f", step, eval_loss)
                     self.metrics.write({"step": step, "eval_loss": eval_loss})
-            stop = self.stop.agreed(self.device)
-            if step % train.ckpt_every == 0 or step == train.steps or stop:
+            signalled = self.stop.agreed(self.device)
+            planned = step == train.stop_at_step
+            if step % train.ckpt_every == 0 or step == train.steps or signalled or planned:
                 last_ckpt = self.save()
-            if stop:
-                log.warning("stopping at step %d on %s; checkpoint %s", step, self.stop.reason, last_ckpt)
-                return self.summary(loss, last_ckpt, stopped=True)
+            if signalled or planned:
+                reason = self.stop.reason if signalled else f"train.stop_at_step={step}"
+                log.warning("stopping at step %d (%s); rerun the same run directory to resume from %s", step,
+                            reason, last_ckpt)
+                return self.summary(loss, last_ckpt, stopped=signalled)
         return self.summary(loss, last_ckpt, stopped=False)
 
     def log_step(self, loss: float, grad_norm: float, steps: int, elapsed: float, step_time: float) -> None:

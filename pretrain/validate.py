@@ -39,7 +39,7 @@ def validate_train(cfg: Config, world_size: int) -> None:
     _positive({"train.steps": t.steps, "train.seq_len": t.seq_len, "train.global_batch": t.global_batch,
                "train.global_batch_tokens": t.global_batch_tokens, "train.micro_batch": t.micro_batch,
                "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.ckpt_keep": t.ckpt_keep,
-               "train.eval_batches": t.eval_batches, "train.max_bad_steps": t.max_bad_steps,
+               "train.eval_batches": t.eval_batches, "train.stop_at_step": t.stop_at_step, "train.max_bad_steps": t.max_bad_steps,
                "optim.lr": o.lr, "optim.grad_clip": o.grad_clip, "optim.eps": o.eps})
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every}: must be 0 (no evaluation) or more")

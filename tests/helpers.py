@@ -1,0 +1,33 @@
+"""Shared helpers: run the real command lines and read what runs wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def launch(*overrides: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m pretrain.launch OVERRIDES...` as a user types it; output captured."""
+    return subprocess.run([sys.executable, "-m", "pretrain.launch", *overrides], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under root with its size and mtime: to show that nothing was written or changed."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}

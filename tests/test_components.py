@@ -1,0 +1,143 @@
+"""The pieces the loop is built from: model, FLOP counts, schedule, loss scaling, metrics file."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig, OptimConfig, PrecisionConfig
+from pretrain.flops import flops_per_token, parameter_count, peak_flops_for
+from pretrain.launch import compose, expand_sweep, varying
+from pretrain.logs import MetricsFile
+from pretrain.models.llama import Transformer, cross_entropy
+from pretrain.optim import lr_factor
+from pretrain.precision import LossScaler
+
+MODELS = ["tiny", "llama-125m", "llama-1b", "llama-8b", "llama-70b"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_parameter_count_matches_the_built_model(name):
+    cfg = compose([f"model={name}"]).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert parameter_count(cfg) == sum(unique.values())
+
+
+def test_llama_1b_is_exactly_the_reference_shape():
+    cfg = compose(["model=llama-1b"]).model
+    assert parameter_count(cfg) == 1_532_037_120
+    # The performance reference: 9.227 GFLOP per token at sequence length 4096.
+    assert flops_per_token(cfg, 4096, "reference") == pytest.approx(9.227e9, rel=1e-4)
+    # Ours counts causal attention as half the square, so it is lower.
+    assert flops_per_token(cfg, 4096, "causal") < flops_per_token(cfg, 4096, "reference")
+
+
+def test_peak_flops_lookup():
+    assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for("NVIDIA H200") == 989e12
+    assert peak_flops_for("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops_for("Tesla V100") is None
+
+
+def small_model(**overrides) -> Transformer:
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=50, max_seq_len=32,
+                      **overrides)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights()
+    return model
+
+
+def test_model_is_causal():
+    model = small_model()
+    tokens = torch.randint(0, 50, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 50
+    a, b = model(tokens), model(changed)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-5)
+    assert not torch.allclose(a[:, 10:], b[:, 10:], atol=1e-5)
+
+
+def test_tied_embeddings_share_one_matrix():
+    model = small_model(tie_embeddings=True)
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_model_fits_a_small_batch():
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, 50, (4, 17))
+    first = None
+    for _ in range(60):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < first / 4
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    factors = [lr_factor(step, cfg, 100) for step in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
+    assert lr_factor(55, cfg, 100) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_loss_scaler_halves_on_overflow_and_grows_after_good_steps():
+    scaler = LossScaler(PrecisionConfig(init_scale=1024.0, growth_interval=3), enabled=True)
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 2048.0)
+    scaler.unscale_([param])
+    assert torch.equal(param.grad, torch.full((3,), 2.0))
+    scaler.update(finite=False)
+    assert scaler.scale == 512.0
+    for _ in range(3):
+        scaler.update(finite=True)
+    assert scaler.scale == 1024.0
+    restored = LossScaler(PrecisionConfig(), enabled=True)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.scale == 1024.0 and restored.good_steps == 0
+
+
+def test_disabled_loss_scaler_changes_nothing():
+    scaler = LossScaler(PrecisionConfig(), enabled=False)
+    loss = torch.tensor(2.5)
+    assert scaler.scale_loss(loss) is loss
+    scaler.update(finite=False)
+    assert scaler.scale == 1.0
+
+
+def test_metrics_truncation_keeps_dropped_records_aside(tmp_path):
+    metrics = MetricsFile(tmp_path / "metrics.jsonl")
+    for step in range(1, 7):
+        metrics.write({"step": step, "loss": 1.0 / step})
+    with metrics.path.open("a") as f:
+        f.write('{"step": 7, "lo')  # cut short by a crash
+    metrics.truncate_after(4)
+    assert [r["step"] for r in metrics.records()] == [1, 2, 3, 4]
+    discarded = (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in discarded[:2]] == [5, 6] and len(discarded) == 3
+
+
+def test_sweep_expansion_and_the_names_of_points():
+    points = expand_sweep(["optim.lr=1e-4,3e-4", "model=tiny", "train.steps=5,10"])
+    assert len(points) == 4
+    assert points[0] == ["optim.lr=0.0001", "model=tiny", "train.steps=5"]
+    assert varying(points)[3] == ["optim.lr=0.0003", "train.steps=10"]
+
+
+def test_global_batch_in_tokens_takes_precedence():
+    from pretrain.config import global_batch
+
+    cfg = compose(["train.global_batch_tokens=8192", "train.seq_len=256"])
+    assert global_batch(cfg.train) == 32
+    assert math.isclose(cfg.train.global_batch, 16)

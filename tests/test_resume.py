@@ -1,0 +1,67 @@
+"""Exact resume and resharding of checkpoints across world sizes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.helpers import launch, losses, metrics
+
+RUN = ("train.steps=20", "train.log_every=1", "train.ckpt_every=5", "train.eval_every=0", "precision=fp32")
+
+
+def test_stopped_at_step_10_and_resumed_matches_uninterrupted(tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert launch(*RUN, f"hydra.run.dir={whole}").returncode == 0
+    first = launch(*RUN, "train.stop_at_step=10", f"hydra.run.dir={split}")
+    assert first.returncode == 0, first.stderr
+    assert max(losses(split)) == 10
+    second = launch(*RUN, f"hydra.run.dir={split}")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout and "step_00000010" in second.stdout
+    resumed, uninterrupted = losses(split), losses(whole)
+    assert sorted(resumed) == list(range(1, 21))
+    for step in range(11, 21):
+        assert resumed[step] == uninterrupted[step], step  # bit-identical on CPU
+    assert metrics(split)[-1]["restarts"] == 1
+
+
+def test_checkpoint_from_two_processes_loads_with_one_and_four(tmp_path):
+    base = tmp_path / "two"
+    run = RUN + ("train.global_batch=16", "train.micro_batch=4")
+    assert launch(*run, "local.nproc=2", f"hydra.run.dir={base}").returncode == 0
+    reference = losses(base)
+    for nproc in (1, 4):
+        target = tmp_path / f"as{nproc}"
+        assert launch(*run, "local.nproc=2", "train.stop_at_step=10", f"hydra.run.dir={target}").returncode == 0
+        result = launch(*run, f"local.nproc={nproc}", f"hydra.run.dir={target}")
+        assert result.returncode == 0, result.stderr + result.stdout
+        assert "resumed from" in result.stdout
+        after = losses(target)
+        # Same data and weights; only the order of floating-point reductions differs.
+        for step in range(11, 21):
+            assert after[step] == pytest.approx(reference[step], abs=2e-3), (nproc, step)
+
+
+def test_rerun_of_a_finished_run_does_nothing_more(tmp_path):
+    run_dir = tmp_path / "run"
+    assert launch(*RUN, "train.steps=5", f"hydra.run.dir={run_dir}").returncode == 0
+    again = launch(*RUN, "train.steps=5", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0
+    assert "resumed from" in again.stdout
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5]
+
+
+def test_unfinished_checkpoint_is_ignored_and_removed(tmp_path):
+    run_dir = tmp_path / "run"
+    assert launch(*RUN, "train.stop_at_step=10", f"hydra.run.dir={run_dir}").returncode == 0
+    ckpts = run_dir / "checkpoints"
+    # A save that died half way: shards present, no manifest, still named .partial.
+    shutil.copytree(ckpts / "step_00000010", ckpts / "step_00000015.partial")
+    (ckpts / "step_00000015.partial" / "manifest.json").unlink()
+    result = launch(*RUN, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    assert "step_00000010" in result.stdout
+    assert not (ckpts / "step_00000015.partial").exists()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000015", "step_00000020"]  # ckpt_keep=2

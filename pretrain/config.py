@@ -117,9 +117,14 @@ class LocalConfig:
 
 @dataclass
 class ContainerConfig:
+    # The .sif image built from singularity/pretrain.def, on a filesystem the nodes see.
     image: str = "???"
-    runtime: str = "apptainer"
+    # apptainer, singularity, or auto (whichever the login node has).
+    runtime: str = "auto"
+    # Extra bind mounts, "SRC[:DST[:OPTS]]"; the run directory and data.path are bound already.
     binds: list[str] = field(default_factory=list)
+    # Extra flags for `exec`, e.g. ["--writable-tmpfs"].
+    options: list[str] = field(default_factory=list)
 
 
 @dataclass

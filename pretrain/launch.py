@@ -47,6 +47,9 @@ def _compose_raw(overrides: list[str]):
             return hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_one_line(str(err))) from None
+    except (AssertionError, AttributeError) as err:  # Hydra/OmegaConf when merging into a null node
+        hint = "; set it in a cluster file instead" if any("container" in o for o in overrides) else ""
+        raise ConfigError(f"cannot apply overrides {overrides}: {_one_line(str(err))}{hint}") from None
 
 
 def _one_line(message: str) -> str:
@@ -174,8 +177,10 @@ def sweep_points(overrides: list[str]) -> list[Composed]:
     first = compose_point(points[0])
     composed = []
     for index, (point, name) in enumerate(zip(points, names)):
-        run_dir = first.sweep_dir / f"{index}_{dir_name(name)}"
-        composed.append(compose_point(point + [f"run_dir={run_dir.resolve()}"]))
+        point_cfg = compose_point(point)
+        point_cfg.run_dir = (first.sweep_dir / f"{index}_{dir_name(name)}").resolve()
+        point_cfg.cfg.run_dir = str(point_cfg.run_dir)
+        composed.append(point_cfg)
     return composed
 
 

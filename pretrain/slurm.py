@@ -45,22 +45,6 @@ class TrainTask:
         return code
 
 
-def validate_cluster(cluster: ClusterConfig) -> None:
-    for key in ("nodes", "gpus_per_node", "cpus_per_task", "time_min", "signal_delay_s"):
-        if getattr(cluster, key) < 1:
-            raise ConfigError(f"cluster.{key}={getattr(cluster, key)}: must be at least 1")
-    if cluster.max_requeues < 0:
-        raise ConfigError(f"cluster.max_requeues={cluster.max_requeues}: must be 0 or more")
-    if cluster.mem_gb is not None and cluster.mem_gb < 1:
-        raise ConfigError(f"cluster.mem_gb={cluster.mem_gb}: must be at least 1 (or null for the partition default)")
-    if cluster.time_min * 60 <= cluster.signal_delay_s:
-        raise ConfigError(f"cluster.time_min={cluster.time_min} is not longer than cluster.signal_delay_s="
-                          f"{cluster.signal_delay_s} s: the stop signal would come before training starts")
-    for key in cluster.env:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise ConfigError(f"cluster.env key {key!r} is not a valid environment variable name")
-
-
 def job_name(run_dir: Path) -> str:
     return "pretrain-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_dir.name)[:100]
 
@@ -154,7 +138,6 @@ def batch_script(cfg: Config, root: Path, run_dirs: list[str]) -> str:
 
 def check_submittable(cfgs: list[Config], root: Path) -> None:
     for cfg in cfgs:
-        validate_cluster(cfg.cluster)
         if cfg.cluster.container is not None:
             from pretrain import container
 
@@ -182,8 +165,6 @@ def submit(cfgs: list[Config], sweep_dir: Path | None) -> int:
     root = run_root(run_dirs, sweep_dir)
     first = cfgs[0]
     if first.dry_run:
-        for cfg in cfgs:
-            validate_cluster(cfg.cluster)
         print(batch_script(first, root, run_dirs))
         print(f"# each of the {first.cluster.nodes * first.cluster.gpus_per_node} tasks runs the same as:")
         print(f"#   {python_command(first, root)} -m pretrain.train $PRETRAIN_RUN_DIR")

@@ -158,7 +158,10 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     cluster: Optional[ClusterConfig] = None
+    # With +cluster: print the sbatch script and submit nothing.
     dry_run: bool = False
+    # With +cluster: write a standalone sbatch script to this path (for `sbatch` by hand) and submit nothing.
+    write_sbatch: Optional[str] = None
     # Filled in by the launcher: where the run lives.
     run_dir: str = "???"
 

@@ -32,37 +32,41 @@ def runtime(cfg: Config) -> str:
                       "`module load apptainer`) or set cluster.container=null to run on the host")
 
 
-def bind_paths(cfg: Config, run_root: Path) -> list[str]:
-    """Bind mounts: the folder holding the run directories, the data, and container.binds."""
-    binds = [str(run_root)]
+def extra_binds(cfg: Config) -> list[str]:
+    """Bind mounts besides the run directories: the data and container.binds."""
+    binds = []
     if cfg.data.path is not None:
         binds.append(str(Path(cfg.data.path).expanduser().resolve()))
     return binds + list(cfg.cluster.container.binds)
 
 
-def exec_prefix(cfg: Config, run_root: Path) -> str:
-    """The shell words that run a command inside the image, quoted for the batch script."""
+def exec_prefix(cfg: Config, run_root: str) -> str:
+    """The shell words that run a command inside the image.
+
+    run_root is a shell word already (a quoted path, or "$PRETRAIN_RUN_DIR" in a hand-run script):
+    the folder holding the run directories, bound at the same path.
+    """
     container = cfg.cluster.container
-    words = [runtime(cfg), "exec", "--nv"]
-    for bind in bind_paths(cfg, run_root):
-        words += ["--bind", bind]
-    words += [*container.options, str(Path(container.image).expanduser().resolve())]
-    return " ".join(shlex.quote(w) for w in words)
+    words = [shlex.quote(runtime(cfg)), "exec", "--nv", "--bind", run_root]
+    for bind in extra_binds(cfg):
+        words += ["--bind", shlex.quote(bind)]
+    words += [shlex.quote(w) for w in container.options]
+    words.append(shlex.quote(str(Path(container.image).expanduser().resolve())))
+    return " ".join(words)
 
 
-def check(cfg: Config, run_root: Path) -> None:
+def check(cfg: Config) -> None:
     """Before submission: the image exists, every bind source exists, a runtime is on PATH."""
     container = cfg.cluster.container
     image = Path(container.image).expanduser()
     if not image.is_file():
         raise ConfigError(f"cluster.container.image={container.image}: no such file; build it with "
                           "singularity/build.sh and copy it to a filesystem the compute nodes see")
-    for bind in bind_paths(cfg, run_root)[1:]:
+    for bind in extra_binds(cfg):
         source = Path(bind.split(":", 1)[0]).expanduser()
         if not source.exists():
             raise ConfigError(f"container bind source {source} does not exist (from cluster.container.binds "
                               "or data.path)")
-    runtime(cfg)
     if shutil.which(runtime(cfg)) is None:
         raise ConfigError(f"cluster.container.runtime={runtime(cfg)} is not on PATH: load its module, or set "
                           "cluster.container.runtime=auto")

@@ -184,6 +184,15 @@ def sweep_points(overrides: list[str]) -> list[Composed]:
     return composed
 
 
+def write_sbatch(runs: list[Composed], overrides: list[str], multirun: bool) -> int:
+    cfg = runs[0].cfg
+    if cfg.cluster is None or multirun:
+        raise ConfigError(f"write_sbatch={cfg.write_sbatch}: needs +cluster=NAME and a single run (no -m)")
+    from pretrain import slurm
+
+    return slurm.write_plain_script(cfg, overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -202,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for run in runs:
             check_run(run.cfg)
+        if runs[0].cfg.write_sbatch is not None:
+            return write_sbatch(runs, overrides, multirun)
         if runs[0].cfg.cluster is not None:
             from pretrain import slurm
 

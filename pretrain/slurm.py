@@ -49,13 +49,20 @@ def job_name(run_dir: Path) -> str:
     return "pretrain-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_dir.name)[:100]
 
 
-def setup_lines(cluster: ClusterConfig, run_dirs: list[str]) -> list[str]:
-    """Lines the batch script runs on the host before srun: run directory, environment, user setup."""
+def run_dir_lines(run_dirs: list[str]) -> list[str]:
+    """Setup lines naming the run directory of this job (of this array task, for a sweep)."""
     quoted = " ".join(shlex.quote(d) for d in run_dirs)
-    lines = [
+    return [
         "# pretrain: the run directory of this job (of this array task)",
         f"PRETRAIN_RUN_DIRS=({quoted})",
         'export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIRS[${SLURM_ARRAY_TASK_ID:-0}]}"',
+    ]
+
+
+def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[str]:
+    """Lines the batch script runs on the host before srun: run directory, environment, user setup."""
+    lines = [
+        *run_dir_definition,
         "# Preemption also signals this script: carry on to the requeue check below once srun returns.",
         "trap 'echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
     ]
@@ -83,26 +90,27 @@ def teardown_lines(cluster: ClusterConfig) -> list[str]:
     ]
 
 
-def python_command(cfg: Config, run_root: Path) -> str:
-    """The python the tasks run: the login node's own, or the container's through apptainer/singularity."""
+def python_command(cfg: Config, run_root: str, host_python: str) -> str:
+    """The python the tasks run: host_python, or the image's python3 through apptainer/singularity."""
     from pretrain import container
 
     if cfg.cluster.container is None:
-        return shlex.quote(sys.executable)
+        return host_python
     return container.exec_prefix(cfg, run_root) + " python3"
 
 
-def executor_parameters(cfg: Config, run_dirs: list[str]) -> dict[str, Any]:
+def executor_parameters(cfg: Config, name: str, run_dir_definition: list[str]) -> dict[str, Any]:
+    """Everything the batch script says besides its command: #SBATCH flags, setup and teardown lines."""
     cluster = cfg.cluster
     params: dict[str, Any] = {
-        "job_name": job_name(Path(cfg.run_dir) if len(run_dirs) == 1 else Path(cfg.run_dir).parent),
+        "job_name": name,
         "nodes": cluster.nodes,
         "ntasks_per_node": cluster.gpus_per_node,
         "gpus_per_node": cluster.gpus_per_node,
         "cpus_per_task": cluster.cpus_per_task,
         "time": cluster.time_min,
         "signal_delay_s": cluster.signal_delay_s,
-        "setup": setup_lines(cluster, run_dirs),
+        "setup": setup_lines(cluster, run_dir_definition),
         "teardown": teardown_lines(cluster),
         "additional_parameters": {"requeue": True},
         "srun_args": ["--kill-on-bad-exit=1"],
@@ -122,8 +130,10 @@ def run_root(run_dirs: list[str], sweep_dir: Path | None) -> Path:
 def make_executor(cfg: Config, root: Path, run_dirs: list[str]):
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=root / "slurm", python=python_command(cfg, root), max_num_timeout=0)
-    executor.update_parameters(**executor_parameters(cfg, run_dirs))
+    python = python_command(cfg, shlex.quote(str(root)), shlex.quote(sys.executable))
+    executor = submitit.SlurmExecutor(folder=root / "slurm", python=python, max_num_timeout=0)
+    name = job_name(Path(run_dirs[0]) if len(run_dirs) == 1 else root)
+    executor.update_parameters(**executor_parameters(cfg, name, run_dir_lines(run_dirs)))
     return executor
 
 
@@ -136,12 +146,50 @@ def batch_script(cfg: Config, root: Path, run_dirs: list[str]) -> str:
     return executor._make_submission_file_text(command, "DRYRUN")
 
 
+# A hand-run script's run directory (override with PRETRAIN_RUN_DIR=... sbatch ...) and logs, relative to
+# the folder sbatch is called from. The job id is the same after a requeue, so a requeued job resumes.
+PLAIN_RUN_DIR = [
+    "# pretrain: the run directory (set PRETRAIN_RUN_DIR when calling sbatch to choose it)",
+    'export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/sbatch-$SLURM_JOB_ID}"',
+    'mkdir -p "$PRETRAIN_RUN_DIR"',
+]
+PLAIN_LOGS = "runs/slurm"
+# Hand-run scripts are generated from the launch's own overrides, less those that only steer the launch.
+LAUNCH_ONLY = ("write_sbatch=", "dry_run=", "hydra.run.dir=", "hydra.sweep.dir=")
+
+
+def plain_batch_script(cfg: Config, overrides: list[str]) -> str:
+    """A standalone sbatch script: the same #SBATCH lines, setup, srun, container and requeue as the
+    submitit path, but each task runs `python -m pretrain.train RUN_DIR OVERRIDES` (no submitit)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    kept = [o for o in overrides if not o.startswith(LAUNCH_ONLY)]
+    python = python_command(cfg, '"$PRETRAIN_RUN_DIR"', "python3")
+    command = " ".join([python, "-m pretrain.train", '"$PRETRAIN_RUN_DIR"', *(shlex.quote(o) for o in kept)])
+    placeholder = "/__pretrain_logs__"  # submitit makes log paths absolute; ours are relative to the submit dir
+    params = executor_parameters(cfg, f"pretrain-{cfg.model.name}", PLAIN_RUN_DIR)
+    text = _make_sbatch_string(command=command, folder=placeholder, **params).replace(placeholder, PLAIN_LOGS)
+    header = ["# Generated by: python -m pretrain.launch " + " ".join(shlex.quote(o) for o in overrides),
+              "# Regenerate rather than edit. From the folder that should hold runs/:",
+              "#   mkdir -p runs/slurm && sbatch THIS_FILE", ""]
+    lines = text.split("\n")
+    return "\n".join(lines[:1] + header + lines[1:])
+
+
+def write_plain_script(cfg: Config, overrides: list[str]) -> int:
+    path = Path(cfg.write_sbatch)
+    path.write_text(plain_batch_script(cfg, overrides))
+    path.chmod(0o755)
+    print(f"wrote {path}: submit it with `sbatch {path}`; nothing was submitted")
+    return 0
+
+
 def check_submittable(cfgs: list[Config], root: Path) -> None:
     for cfg in cfgs:
         if cfg.cluster.container is not None:
             from pretrain import container
 
-            container.check(cfg, root)
+            container.check(cfg)
     if shutil.which("sbatch") is None:
         raise ConfigError("sbatch is not on PATH: submit from a Slurm login node (or load its module), "
                           "or use dry_run=true to see the script")
@@ -167,7 +215,7 @@ def submit(cfgs: list[Config], sweep_dir: Path | None) -> int:
     if first.dry_run:
         print(batch_script(first, root, run_dirs))
         print(f"# each of the {first.cluster.nodes * first.cluster.gpus_per_node} tasks runs the same as:")
-        print(f"#   {python_command(first, root)} -m pretrain.train $PRETRAIN_RUN_DIR")
+        print(f"#   {make_executor(first, root, run_dirs).python} -m pretrain.train \"$PRETRAIN_RUN_DIR\"")
         print("# dry run: nothing was written or submitted")
         return 0
     check_submittable(cfgs, root)

@@ -348,7 +348,9 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> tuple[Config, bool]:
         return cfg, False
     from pretrain import launch
 
-    return launch.compose(overrides + [f"run_dir={run_dir}"]), True
+    cfg = launch.compose(overrides)
+    cfg.run_dir = str(run_dir)
+    return cfg, True
 
 
 def main(argv: list[str] | None = None) -> int:

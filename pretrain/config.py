@@ -99,6 +99,10 @@ class TrainConfig:
     # End this job after this step (with a checkpoint) while keeping the schedule of `steps`:
     # for splitting one run over several allocations. Rerun the same run directory to continue.
     stop_at_step: Optional[int] = None
+    # A step taking longer than this ends the job (a rank died or stalled); 0 disables the watchdog.
+    hang_timeout_s: float = 900.0
+    # Timeout of every collective (NCCL/gloo), also bounding the first step and checkpoint saves.
+    collective_timeout_s: float = 1800.0
     # Stop after this many consecutive steps with a non-finite loss or gradient.
     max_bad_steps: int = 5
 

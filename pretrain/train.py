@@ -25,6 +25,7 @@ from pretrain import run_data as source
 from pretrain.models.llama import Transformer, cross_entropy
 from pretrain.optim import build_optimizer, lr_factor, set_lr
 from pretrain.parallelize import build_mesh, parallelize
+from pretrain.watchdog import StepWatchdog
 from pretrain import preemption
 
 log = logging.getLogger("pretrain")
@@ -223,11 +224,21 @@ class Trainer:
         log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s, "
                  "fsdp %s", self.cfg.model.name, f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size,
                  self.accum, train.micro_batch, self.precision, self.cfg.fsdp.strategy)
-        last_ckpt = resumed
+        watchdog = StepWatchdog(train.hang_timeout_s)
+        try:
+            return self._loop(resumed, watchdog)
+        finally:
+            watchdog.stop()
+
+    def _loop(self, last_ckpt: Path | None, watchdog: StepWatchdog) -> dict[str, Any]:
+        train = self.cfg.train
         window_start, window_steps, loss = time.perf_counter(), 0, float("nan")
         started, start_step = time.perf_counter(), self.state.step
         while self.state.step < train.steps:
             loss_t, grad_norm = self.train_step()
+            if self.state.step == start_step + 1:
+                watchdog.start()  # after the first step: compile and warm-up are bounded by the collective timeout
+            watchdog.beat(self.state.step)
             window_steps += 1
             step = self.state.step
             if step % train.log_every == 0 or step == train.steps:
@@ -326,7 +337,7 @@ def run(cfg: Config, prepare: bool = False) -> dict[str, Any]:
         launch.check_run(cfg)
         if env.is_main:
             launch.write_run(cfg)
-    distributed.init_process_group(env, device)
+    distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     try:
         return Trainer(cfg, env, device).fit()

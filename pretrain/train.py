@@ -7,6 +7,8 @@ Run by every process of a job:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import sys
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, config, distributed, flops, logs, precision
+from pretrain import checkpoint, config, distributed, faults, flops, logs, precision
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import Config
 from pretrain import run_data as source
@@ -62,6 +64,11 @@ def build_model(cfg: Config, device: torch.device, mesh) -> torch.nn.Module:
         model.init_weights()
     model.to(device)  # non-persistent buffers (RoPE) of the fully-initialised path
     return model
+
+
+def config_hash(cfg: Config) -> str:
+    """A short fingerprint of the resolved config, recorded in each checkpoint's manifest."""
+    return hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def local_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -114,24 +121,35 @@ class Trainer:
 
     # ---- resume -------------------------------------------------------------------------------
     def resume(self) -> Path | None:
+        """Load the newest intact checkpoint; damaged ones are reported, set aside and skipped."""
         root = self.run_dir / "checkpoints"
         if self.env.is_main:
             checkpoint.remove_partials(root)
             preemption.clear_requeue_request(self.run_dir)
         dist.barrier()
-        path = checkpoint.latest_checkpoint(root)
-        if path is None:
-            return None
-        checkpoint.check_compatible(path, self.cfg.model)
-        saved = self.checkpointer.load(path, self.model, self.optimizer)
-        self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
-        self.state.restarts += 1
-        if "scaler" in saved:
-            self.scaler.load_state_dict(saved["scaler"])
+        for path in reversed(checkpoint.complete_checkpoints(root)):
+            damage = checkpoint.verify(path)
+            if damage:
+                self._set_aside(path, damage)
+                continue
+            checkpoint.check_compatible(path, self.cfg.model)
+            saved = self.checkpointer.load(path, self.model, self.optimizer)
+            self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
+            self.state.restarts += 1
+            if "scaler" in saved:
+                self.scaler.load_state_dict(saved["scaler"])
+            if self.env.is_main:
+                self.metrics.truncate_after(self.state.step)
+            log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples)
+            return path
+        return None
+
+    def _set_aside(self, path: Path, damage: list[str]) -> None:
         if self.env.is_main:
-            self.metrics.truncate_after(self.state.step)
-        log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples)
-        return path
+            aside = checkpoint.set_aside(path)
+            log.warning("checkpoint %s is damaged (%s); it is kept as %s and the previous one is used", path,
+                        "; ".join(damage[:3]) + (f"; and {len(damage) - 3} more" if len(damage) > 3 else ""), aside)
+        dist.barrier()
 
     # ---- one step -----------------------------------------------------------------------------
     def _batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +174,13 @@ class Trainer:
             inputs, targets = self._batch(micro)
             self.model.set_requires_gradient_sync(micro == self.accum - 1)
             loss = cross_entropy(self.model(inputs), targets) / self.accum
+            if faults.active("nan_loss", self.state.step + 1):
+                loss = loss * float("nan")
             self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
         params = local_params(self.model)
+        if faults.active("nan_grad", self.state.step + 1) and self.env.is_main:
+            _poison_one_gradient(params)
         self.scaler.unscale_(params)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -167,24 +189,24 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(finite)
-        self._count(finite)
+        self._count(finite, self.state.step + 1)
         self.state.step += 1
         self.state.samples += self.global_batch
         return loss_sum, grad_norm
 
-    def _count(self, finite: bool) -> None:
+    def _count(self, finite: bool, step: int) -> None:
         if finite:
             self.state.bad_in_a_row = 0
             return
         self.state.skipped_steps += 1
         self.state.bad_in_a_row += 1
         what = "gradient overflow (fp16), loss scale lowered" if self.scaler.enabled else "non-finite loss or gradient"
-        log.warning("step %d skipped: %s (%d in a row, %d in all)", self.state.step + 1, what,
+        log.warning("step %d skipped: %s (%d in a row, %d in all)", step, what,
                     self.state.bad_in_a_row, self.state.skipped_steps)
         if self.state.bad_in_a_row >= self.cfg.train.max_bad_steps and not self.scaler.enabled:
             raise TrainingError(
                 f"{self.state.bad_in_a_row} steps in a row had a non-finite loss or gradient "
-                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); training stopped at step {self.state.step}. "
+                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); training stopped at step {step}. "
                 "Lower optim.lr, raise optim.warmup_steps or check the data; the last checkpoint is intact."
             )
 
@@ -213,7 +235,7 @@ class Trainer:
                                 "(the previous one is intact)")
         extra = {"scaler": self.scaler.state_dict()} if self.scaler.enabled else {}
         path = self.checkpointer.save(self.state.step, self.model, self.optimizer, {**asdict(self.state), **extra},
-                                      self.cfg.model)
+                                      self.cfg.model, config_hash(self.cfg))
         log.info("checkpoint saved: %s", path)
         return path
 
@@ -313,6 +335,12 @@ class Trainer:
                      self.state.step, first, loss, self.state.skipped_steps, self.run_dir, last_ckpt,
                      self.run_dir / "metrics.jsonl")
         return result
+
+
+def _poison_one_gradient(params: list[torch.nn.Parameter]) -> None:
+    grad = next(p.grad for p in params if p.grad is not None)
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    local.view(-1)[0] = float("nan")
 
 
 def memory_gb(device: torch.device) -> float:

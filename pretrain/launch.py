@@ -101,6 +101,11 @@ def varying(points: list[list[str]]) -> list[list[str]]:
     return [[o for o, v in zip(point, varies) if v] for point in points]
 
 
+def _quoted(value: str) -> str:
+    """A value for a Hydra override, quoted so that '=' and ',' in it are not syntax."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
 def dir_name(overrides: list[str]) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(overrides)) or "run"
 
@@ -175,7 +180,7 @@ def sweep_points(overrides: list[str]) -> list[Composed]:
     composed = []
     for index, (point, name) in enumerate(zip(points, names)):
         run_dir = first.sweep_dir / f"{index}_{dir_name(name)}"
-        composed.append(compose_point(point + [f"run_dir={run_dir.resolve()}"]))
+        composed.append(compose_point(point + [f"run_dir={_quoted(str(run_dir.resolve()))}"]))
     return composed
 
 

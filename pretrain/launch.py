@@ -174,6 +174,8 @@ def parse_args(argv: list[str]) -> tuple[bool, bool, list[str]]:
 
 
 def sweep_points(overrides: list[str]) -> list[Composed]:
+    from pretrain.wandb_run import label_sweep_point
+
     points = expand_sweep(overrides)
     names = varying(points)
     first = compose_point(points[0])
@@ -181,6 +183,7 @@ def sweep_points(overrides: list[str]) -> list[Composed]:
     for index, (point, name) in enumerate(zip(points, names)):
         run_dir = first.sweep_dir / f"{index}_{dir_name(name)}"
         composed.append(compose_point(point + [f"run_dir={_quoted(str(run_dir.resolve()))}"]))
+        label_sweep_point(composed[-1].cfg.logging.wandb, first.sweep_dir.name, name)
     return composed
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pretrain import redaction, runs, wandb_access
+from pretrain import redaction, runs, sync, wandb_access
 from pretrain.distributed import free_port
-from pretrain.wandb_offline import fragments, is_closed, run_id
+from pretrain.wandb_offline import fragments, is_closed, is_synced, mark_synced, run_id
 from tests.helpers import REPO, launch, losses, metrics, wandb_config, wandb_history, wandb_run_record
 
 SHORT = ("train.steps=6", "train.log_every=2", "train.eval_every=0", "train.seq_len=64", "train.global_batch=8",
@@ -221,3 +221,73 @@ def test_a_slurm_dry_run_writes_the_key_nowhere(tmp_path):
                     f"hydra.run.dir={tmp_path / 'run'}", env={"WANDB_API_KEY": MARKER})
     assert result.returncode == 0, result.stderr + result.stdout
     assert_marker_nowhere(tmp_path, result)
+
+
+# ---- pretrain.sync ------------------------------------------------------------------------------
+
+def sync_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "pretrain.sync", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_sync_dry_run_names_each_attempt_in_order(resumed_run):
+    result = sync_cli(str(resumed_run), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    first, second = fragments(resumed_run)
+    assert f"-m wandb sync {first} {second}" in result.stdout
+
+
+def test_sync_sends_the_runs_to_the_configured_server(resumed_run, tmp_path, recording_server):
+    run_dir = shutil.copytree(resumed_run, tmp_path / "run", symlinks=True)
+    result = sync_cli(str(run_dir), env={"WANDB_API_KEY": MARKER, "WANDB_BASE_URL": recording_server.url})
+    # wandb sync asked this server about the run; the server refused, so nothing counts as uploaded.
+    graphql = [json.loads(body) for body in recording_server.bodies if body.startswith(b'{"query"')]
+    assert any(request.get("variables", {}).get("name") == saved_state(run_dir)["id"] for request in graphql), graphql
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 2 of 2 W&B run files were not uploaded")
+    assert not any(is_synced(f) for f in fragments(run_dir))
+
+
+def test_sync_fails_in_one_line_when_the_server_is_unreachable(resumed_run):
+    result = sync_cli(str(resumed_run), env={"WANDB_API_KEY": MARKER, "WANDB_BASE_URL": closed_port_url()})
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("error: cannot reach the W&B server http://127.0.0.1:")
+
+
+def test_sync_plan_keeps_attempt_order_and_follows_only_a_running_attempt(resumed_run, tmp_path):
+    run_dir = shutil.copytree(resumed_run, tmp_path / "run", symlinks=True)
+    first, second = fragments(run_dir)
+    second.write_bytes(second.read_bytes()[:-64])  # no exit record: its attempt is still writing
+    assert not is_closed(second)
+    todo = sync.plan([run_dir], set())
+    assert (todo.upload, todo.follow) == ([first], [])  # the running attempt waits for the earlier one
+    mark_synced(first)
+    todo = sync.plan([run_dir], set())
+    assert (todo.upload, todo.follow) == ([], [second])
+    assert sync.plan([run_dir], {second}).pending == []
+    # A newer attempt began: the one before was killed and will never be closed, so it is uploaded as it is.
+    third = run_dir / "wandb" / f"offline-run-29990101_000000-{run_id(second)}" / second.name
+    shutil.copytree(second.parent, third.parent)
+    todo = sync.plan([run_dir], set())
+    assert (todo.upload, todo.follow) == ([second], [])
+    mark_synced(second)
+    assert sync.plan([run_dir], set()).follow == [third]
+
+
+def test_watch_returns_once_every_run_is_finished_and_uploaded(resumed_run, tmp_path, monkeypatch):
+    run_dir = shutil.copytree(resumed_run, tmp_path / "run", symlinks=True)
+    marks = "import sys, pathlib; [pathlib.Path(p + '.synced').touch() for p in sys.argv[1:]]"
+    monkeypatch.setattr(sync, "upload_command", lambda paths: [sys.executable, "-c", marks, *map(str, paths)])
+    assert sync.watch(run_dir, period_s=0.1) == 0
+    assert all(is_synced(f) for f in fragments(run_dir))
+
+
+def test_sync_of_runs_without_wandb_data_needs_no_server(tmp_path):
+    (tmp_path / "config.yaml").write_text("train:\n  steps: 6\n")  # a run directory, W&B disabled
+    result = sync_cli(str(tmp_path), env={"WANDB_BASE_URL": closed_port_url()})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("nothing to upload: no offline W&B data here")

@@ -141,9 +141,14 @@ class LocalConfig:
 
 @dataclass
 class ContainerConfig:
+    # The .sif image built from singularity/pretrain.def, on a filesystem the nodes see.
     image: str = "???"
-    runtime: str = "apptainer"
+    # apptainer, singularity, or auto (whichever the login node has).
+    runtime: str = "auto"
+    # Extra bind mounts, "SRC[:DST[:OPTS]]"; the run directory and data.path are bound already.
     binds: list[str] = field(default_factory=list)
+    # Extra flags for `exec`, e.g. ["--writable-tmpfs"].
+    options: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -178,7 +183,10 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     cluster: Optional[ClusterConfig] = None
+    # With +cluster: print the sbatch script and submit nothing.
     dry_run: bool = False
+    # With +cluster: write a standalone sbatch script to this path (for `sbatch` by hand) and submit nothing.
+    write_sbatch: Optional[str] = None
     # Filled in by the launcher: where the run lives.
     run_dir: str = "???"
 

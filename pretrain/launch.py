@@ -47,6 +47,9 @@ def _compose_raw(overrides: list[str]):
             return hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_one_line(str(err))) from None
+    except (AssertionError, AttributeError) as err:  # Hydra/OmegaConf when merging into a null node
+        hint = "; set it in a cluster file instead" if any("container" in o for o in overrides) else ""
+        raise ConfigError(f"cannot apply overrides {overrides}: {_one_line(str(err))}{hint}") from None
 
 
 def _one_line(message: str) -> str:
@@ -99,11 +102,6 @@ def varying(points: list[list[str]]) -> list[list[str]]:
     columns = list(zip(*points)) if points else []
     varies = [len(set(column)) > 1 for column in columns]
     return [[o for o, v in zip(point, varies) if v] for point in points]
-
-
-def _quoted(value: str) -> str:
-    """A value for a Hydra override, quoted so that '=' and ',' in it are not syntax."""
-    return "'" + value.replace("'", "\\'") + "'"
 
 
 def dir_name(overrides: list[str]) -> str:
@@ -181,10 +179,21 @@ def sweep_points(overrides: list[str]) -> list[Composed]:
     first = compose_point(points[0])
     composed = []
     for index, (point, name) in enumerate(zip(points, names)):
-        run_dir = first.sweep_dir / f"{index}_{dir_name(name)}"
-        composed.append(compose_point(point + [f"run_dir={_quoted(str(run_dir.resolve()))}"]))
-        label_sweep_point(composed[-1].cfg.logging.wandb, first.sweep_dir.name, name)
+        point_cfg = compose_point(point)
+        point_cfg.run_dir = (first.sweep_dir / f"{index}_{dir_name(name)}").resolve()
+        point_cfg.cfg.run_dir = str(point_cfg.run_dir)
+        label_sweep_point(point_cfg.cfg.logging.wandb, first.sweep_dir.name, name)
+        composed.append(point_cfg)
     return composed
+
+
+def write_sbatch(runs: list[Composed], overrides: list[str], multirun: bool) -> int:
+    cfg = runs[0].cfg
+    if cfg.cluster is None or multirun:
+        raise ConfigError(f"write_sbatch={cfg.write_sbatch}: needs +cluster=NAME and a single run (no -m)")
+    from pretrain import slurm
+
+    return slurm.write_plain_script(cfg, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for run in runs:
             check_run(run.cfg)
+        if runs[0].cfg.write_sbatch is not None:
+            return write_sbatch(runs, overrides, multirun)
         if runs[0].cfg.cluster is not None:
             from pretrain import slurm
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pretrain.config import Config
 from pretrain.distributed import free_port
+from pretrain.preemption import EXIT_STOPPED
 
 
 def has_cuda() -> bool:
@@ -58,7 +59,7 @@ def run_in_process(cfg: Config) -> int:
     except train.TrainingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    return 3 if result["stopped_early"] else 0
+    return EXIT_STOPPED if result["stopped_early"] else 0
 
 
 def run_processes(cfg: Config, world: int) -> int:
@@ -82,7 +83,7 @@ def wait_all(procs: list[subprocess.Popen], run_dir: Path) -> int:
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0, 3)]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0, EXIT_STOPPED)]
             if failed:
                 rank, code = failed[0]
                 stop(procs)

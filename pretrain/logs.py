@@ -38,6 +38,8 @@ def setup(run_dir: Path, rank: int) -> None:
     else:
         handlers.append(logging.StreamHandler(sys.stderr))
     for handler in handlers:
+        # On the handlers, not the root logger: libraries such as submitit set their own loggers' levels.
+        handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
         handler.addFilter(_RankFilter(rank))
         root.addHandler(handler)

@@ -8,18 +8,35 @@ after each step, whether any of them was asked to stop. All ranks then save and 
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import torch
 
-from pretrain.distributed import all_agree
+import torch.distributed as dist
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# USR2 is what submitit's sbatch scripts ask Slurm for (--signal=USR2@delay); USR1 for hand-written
+# scripts; TERM for preemption and scancel.
+SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+# Signals that mean "time is up, come back later": the job asks to be requeued. SIGTERM comes from
+# scancel (the user wants it gone) or from preemption (Slurm requeues or cancels it itself).
+REQUEUE_SIGNALS = ("SIGUSR1", "SIGUSR2")
+# Exit code of a run that stopped on a signal after saving a checkpoint (to be requeued or rerun).
+EXIT_STOPPED = 3
+# Left in the run directory by rank 0 after a signalled stop; the batch script requeues on it.
+REQUEUE_REQUEST = ".requeue"
 
 
 class StopRequest:
+    """Set by a signal handler; read collectively at step boundaries."""
+
+    # What a rank was asked, as a number the ranks can all-reduce with MAX: requeue wins over stop.
+    NONE, STOP, REQUEUE = 0, 1, 2
+
     def __init__(self) -> None:
-        self.requested = False
+        self.local = self.NONE
+        self.agreed_kind = self.NONE
         self.reason = ""
 
     def install(self) -> None:
@@ -27,11 +44,31 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
-        self.requested = True
-        self.reason = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        self.local = max(self.local, self.REQUEUE if name in REQUEUE_SIGNALS else self.STOP)
+        self.reason = self.reason or name
+
+    @property
+    def wants_requeue(self) -> bool:
+        return self.agreed_kind == self.REQUEUE
 
     def agreed(self, device: torch.device) -> bool:
-        stop = all_agree(self.requested, device)
-        if stop and not self.reason:
+        """True on every rank when any rank got a signal: one small all-reduce."""
+        value = torch.tensor([float(self.local)], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        self.agreed_kind = int(value.item())
+        if self.agreed_kind and not self.reason:
             self.reason = "a signal on another rank"
-        return stop
+        return self.agreed_kind != self.NONE
+
+
+def request_requeue(run_dir: Path, step: int) -> bool:
+    """Ask the batch script to requeue this Slurm job; False outside Slurm (nothing to requeue)."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return False
+    (run_dir / REQUEUE_REQUEST).write_text(f"{os.environ['SLURM_JOB_ID']} stopped at step {step}\n")
+    return True
+
+
+def clear_requeue_request(run_dir: Path) -> None:
+    (run_dir / REQUEUE_REQUEST).unlink(missing_ok=True)

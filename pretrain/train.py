@@ -25,7 +25,7 @@ from pretrain import run_data as source
 from pretrain.models.llama import Transformer, cross_entropy
 from pretrain.optim import build_optimizer, lr_factor, set_lr
 from pretrain.parallelize import build_mesh, parallelize
-from pretrain.preemption import StopRequest
+from pretrain import preemption
 from pretrain.wandb_run import WandbRun
 
 log = logging.getLogger("pretrain")
@@ -83,6 +83,9 @@ class Trainer:
         self.cfg = cfg
         self.env = env
         self.device = device
+        # Listen before the slow start-up: a signal during it must not kill the job uncheckpointed.
+        self.stop = preemption.StopRequest()
+        self.stop.install()
         self.run_dir = Path(cfg.run_dir)
         self.global_batch = config.global_batch(cfg.train)
         self.accum = config.grad_accum_steps(cfg.train, env.world_size)
@@ -99,7 +102,6 @@ class Trainer:
         self.metrics = logs.MetricsFile(self.run_dir / "metrics.jsonl")
         self.wandb = WandbRun(cfg, env.is_main)
         self.state = TrainState()
-        self.stop = StopRequest()
         self.flops_per_token = {name: flops.flops_per_token(cfg.model, cfg.train.seq_len, name)
                                 for name in flops.ACCOUNTINGS}
         self.peak_flops = self._peak_flops()
@@ -116,6 +118,7 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         if self.env.is_main:
             checkpoint.remove_partials(root)
+            preemption.clear_requeue_request(self.run_dir)
         dist.barrier()
         path = checkpoint.latest_checkpoint(root)
         if path is None:
@@ -223,7 +226,6 @@ class Trainer:
         log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s, "
                  "fsdp %s", self.cfg.model.name, f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size,
                  self.accum, train.micro_batch, self.precision, self.cfg.fsdp.strategy)
-        self.stop.install()
         last_ckpt = resumed
         window_start, window_steps, loss = time.perf_counter(), 0, float("nan")
         started, start_step = time.perf_counter(), self.state.step
@@ -249,8 +251,10 @@ class Trainer:
                 last_ckpt = self.save()
             if signalled or planned:
                 reason = self.stop.reason if signalled else f"train.stop_at_step={step}"
-                log.warning("stopping at step %d (%s); rerun the same run directory to resume from %s", step,
-                            reason, last_ckpt)
+                requeue = (signalled and self.stop.wants_requeue and self.env.is_main
+                           and preemption.request_requeue(self.run_dir, step))
+                then = "the job will be requeued and" if requeue else "rerun the same run directory to"
+                log.warning("stopping at step %d (%s); %s resume from %s", step, reason, then, last_ckpt)
                 return self.summary(loss, last_ckpt, stopped=signalled)
         return self.summary(loss, last_ckpt, stopped=False)
 
@@ -352,7 +356,9 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> tuple[Config, bool]:
         return cfg, False
     from pretrain import launch
 
-    return launch.compose(overrides + [f"run_dir={run_dir}"]), True
+    cfg = launch.compose(overrides)
+    cfg.run_dir = str(run_dir)
+    return cfg, True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     except (config.ConfigError, checkpoint.CheckpointError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    return 3 if result["stopped_early"] else 0
+    return preemption.EXIT_STOPPED if result["stopped_early"] else 0
 
 
 if __name__ == "__main__":

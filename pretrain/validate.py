@@ -6,10 +6,11 @@ and where useful what would work.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 
 from pretrain import config, redaction
-from pretrain.config import Config, ConfigError
+from pretrain.config import ClusterConfig, Config, ConfigError
 
 
 def _positive(values: dict[str, float | int | None]) -> None:
@@ -86,6 +87,22 @@ def validate_precision(cfg: Config, has_cuda: bool) -> None:
     _positive({"metrics.peak_flops": cfg.metrics.peak_flops})
 
 
+def validate_cluster(cluster: ClusterConfig) -> None:
+    for key in ("nodes", "gpus_per_node", "cpus_per_task", "time_min", "signal_delay_s"):
+        if getattr(cluster, key) < 1:
+            raise ConfigError(f"cluster.{key}={getattr(cluster, key)}: must be at least 1")
+    if cluster.max_requeues < 0:
+        raise ConfigError(f"cluster.max_requeues={cluster.max_requeues}: must be 0 or more")
+    if cluster.mem_gb is not None and cluster.mem_gb < 1:
+        raise ConfigError(f"cluster.mem_gb={cluster.mem_gb}: must be at least 1 (or null for the partition default)")
+    if cluster.time_min * 60 <= cluster.signal_delay_s:
+        raise ConfigError(f"cluster.time_min={cluster.time_min} is not longer than cluster.signal_delay_s="
+                          f"{cluster.signal_delay_s} s: the stop signal would come before training starts")
+    for key in cluster.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(f"cluster.env key {key!r} is not a valid environment variable name")
+
+
 def validate_logging(cfg: Config) -> None:
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, config.WANDB_MODES)
 
@@ -101,6 +118,8 @@ def validate_no_secrets(cfg: Config) -> None:
 def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
     """Raise ConfigError for the first setting that cannot work on `world_size` ranks."""
     _positive({"local.nproc": cfg.local.nproc})
+    if cfg.cluster is not None:
+        validate_cluster(cfg.cluster)
     validate_model(cfg)
     validate_train(cfg, world_size)
     validate_parallel(cfg, world_size, local_world_size)

@@ -1,0 +1,235 @@
+"""Submitting runs to Slurm with submitit, and the host-side part of each job.
+
+One task per GPU; every task runs `pretrain.train.main([RUN_DIR])` (the same as
+`python -m pretrain.train RUN_DIR`) through submitit, inside the container when one is
+configured. A sweep becomes one job array. The launcher prints the job ids and returns: it
+never waits for a job.
+
+Requeue on preemption or time limit: Slurm signals the tasks (`--signal=USR2@signal_delay_s`,
+or SIGTERM); the ranks agree at a step boundary, save a checkpoint, rank 0 leaves a request
+file in the run directory, and the tasks exit. The batch script, which runs on the host and
+not in the container, then sees the request and runs `scontrol requeue` (containers rarely
+have scontrol). The requeued job resumes from the checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import ClusterConfig, Config, ConfigError
+from pretrain.preemption import EXIT_STOPPED, REQUEUE_REQUEST
+
+# sbatch's --signal names the signal submitit's job environment listens on; ours listens too.
+SUBMITIT_SIGNAL = "USR2"
+
+
+class TrainTask:
+    """What each Slurm task runs; pickled by submitit, so it holds only the run directory."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> int:
+        from pretrain import train
+
+        code = train.main([self.run_dir])
+        if code not in (0, EXIT_STOPPED):
+            raise RuntimeError(f"training in {self.run_dir} failed with exit code {code}; see its train.log")
+        return code
+
+
+def job_name(run_dir: Path) -> str:
+    return "pretrain-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_dir.name)[:100]
+
+
+def run_dir_lines(run_dirs: list[str]) -> list[str]:
+    """Setup lines naming the run directory of this job (of this array task, for a sweep)."""
+    quoted = " ".join(shlex.quote(d) for d in run_dirs)
+    return [
+        "# pretrain: the run directory of this job (of this array task)",
+        f"PRETRAIN_RUN_DIRS=({quoted})",
+        'export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIRS[${SLURM_ARRAY_TASK_ID:-0}]}"',
+    ]
+
+
+def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[str]:
+    """Lines the batch script runs on the host before srun: run directory, environment, user setup."""
+    lines = [
+        *run_dir_definition,
+        "# Preemption also signals this script: carry on to the requeue check below once srun returns.",
+        "trap 'echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
+    ]
+    lines += [f"export {key}={shlex.quote(str(value))}" for key, value in cluster.env.items()]
+    if cluster.setup:
+        lines += ["# cluster.setup", *cluster.setup]
+    return lines
+
+
+def teardown_lines(cluster: ClusterConfig) -> list[str]:
+    """Lines the batch script runs on the host after srun: requeue if training asked for it."""
+    limit = cluster.max_requeues
+    return [
+        "# pretrain: requeue from the host (the training may run in a container without scontrol)",
+        f'if [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
+        f'  rm -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
+        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {limit} ]; then',
+        f'    echo "pretrain: requeueing job $SLURM_JOB_ID (restart $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) of at most {limit})"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "  else",
+        f'    echo "pretrain: not requeued: cluster.max_requeues={limit} reached; submit the same run directory again '
+        'to continue" >&2',
+        "  fi",
+        "fi",
+    ]
+
+
+def python_command(cfg: Config, run_root: str, host_python: str) -> str:
+    """The python the tasks run: host_python, or the image's python3 through apptainer/singularity."""
+    from pretrain import container
+
+    if cfg.cluster.container is None:
+        return host_python
+    return container.exec_prefix(cfg, run_root) + " python3"
+
+
+def executor_parameters(cfg: Config, name: str, run_dir_definition: list[str]) -> dict[str, Any]:
+    """Everything the batch script says besides its command: #SBATCH flags, setup and teardown lines."""
+    cluster = cfg.cluster
+    params: dict[str, Any] = {
+        "job_name": name,
+        "nodes": cluster.nodes,
+        "ntasks_per_node": cluster.gpus_per_node,
+        "gpus_per_node": cluster.gpus_per_node,
+        "cpus_per_task": cluster.cpus_per_task,
+        "time": cluster.time_min,
+        "signal_delay_s": cluster.signal_delay_s,
+        "setup": setup_lines(cluster, run_dir_definition),
+        "teardown": teardown_lines(cluster),
+        "additional_parameters": {"requeue": True},
+        "srun_args": ["--kill-on-bad-exit=1"],
+    }
+    optional = {"partition": cluster.partition, "account": cluster.account, "qos": cluster.qos,
+                "constraint": cluster.constraint, "exclude": cluster.exclude,
+                "mem": f"{cluster.mem_gb}GB" if cluster.mem_gb is not None else None}
+    params.update({key: value for key, value in optional.items() if value is not None})
+    return params
+
+
+def run_root(run_dirs: list[str], sweep_dir: Path | None) -> Path:
+    """The folder that holds every run directory of this submission (what the container binds)."""
+    return sweep_dir.resolve() if sweep_dir is not None else Path(run_dirs[0])
+
+
+def make_executor(cfg: Config, root: Path, run_dirs: list[str]):
+    import submitit
+
+    python = python_command(cfg, shlex.quote(str(root)), shlex.quote(sys.executable))
+    executor = submitit.SlurmExecutor(folder=root / "slurm", python=python, max_num_timeout=0)
+    name = job_name(Path(run_dirs[0]) if len(run_dirs) == 1 else root)
+    executor.update_parameters(**executor_parameters(cfg, name, run_dir_lines(run_dirs)))
+    return executor
+
+
+def batch_script(cfg: Config, root: Path, run_dirs: list[str]) -> str:
+    """The sbatch script submitit writes for these runs (what `dry_run=true` prints)."""
+    executor = make_executor(cfg, root, run_dirs)
+    if len(run_dirs) > 1:
+        executor.parameters["map_count"] = len(run_dirs)
+    command = " ".join([executor.python, "-u -m submitit.core._submit", shlex.quote(str(executor.folder))])
+    return executor._make_submission_file_text(command, "DRYRUN")
+
+
+# A hand-run script's run directory (override with PRETRAIN_RUN_DIR=... sbatch ...) and logs, relative to
+# the folder sbatch is called from. The job id is the same after a requeue, so a requeued job resumes.
+PLAIN_RUN_DIR = [
+    "# pretrain: the run directory (set PRETRAIN_RUN_DIR when calling sbatch to choose it)",
+    'export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/sbatch-$SLURM_JOB_ID}"',
+    'mkdir -p "$PRETRAIN_RUN_DIR"',
+]
+PLAIN_LOGS = "runs/slurm"
+# Hand-run scripts are generated from the launch's own overrides, less those that only steer the launch.
+LAUNCH_ONLY = ("write_sbatch=", "dry_run=", "hydra.run.dir=", "hydra.sweep.dir=")
+
+
+def plain_batch_script(cfg: Config, overrides: list[str]) -> str:
+    """A standalone sbatch script: the same #SBATCH lines, setup, srun, container and requeue as the
+    submitit path, but each task runs `python -m pretrain.train RUN_DIR OVERRIDES` (no submitit)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    kept = [o for o in overrides if not o.startswith(LAUNCH_ONLY)]
+    python = python_command(cfg, '"$PRETRAIN_RUN_DIR"', "python3")
+    command = " ".join([python, "-m pretrain.train", '"$PRETRAIN_RUN_DIR"', *(shlex.quote(o) for o in kept)])
+    placeholder = "/__pretrain_logs__"  # submitit makes log paths absolute; ours are relative to the submit dir
+    params = executor_parameters(cfg, f"pretrain-{cfg.model.name}", PLAIN_RUN_DIR)
+    text = _make_sbatch_string(command=command, folder=placeholder, **params).replace(placeholder, PLAIN_LOGS)
+    header = ["# Generated by: python -m pretrain.launch " + " ".join(shlex.quote(o) for o in overrides),
+              "# Regenerate rather than edit. From the folder that should hold runs/:",
+              "#   mkdir -p runs/slurm && sbatch THIS_FILE", ""]
+    lines = text.split("\n")
+    return "\n".join(lines[:1] + header + lines[1:])
+
+
+def write_plain_script(cfg: Config, overrides: list[str]) -> int:
+    path = Path(cfg.write_sbatch)
+    path.write_text(plain_batch_script(cfg, overrides))
+    path.chmod(0o755)
+    print(f"wrote {path}: submit it with `sbatch {path}`; nothing was submitted")
+    return 0
+
+
+def check_submittable(cfgs: list[Config], root: Path) -> None:
+    for cfg in cfgs:
+        if cfg.cluster.container is not None:
+            from pretrain import container
+
+            container.check(cfg)
+    if shutil.which("sbatch") is None:
+        raise ConfigError("sbatch is not on PATH: submit from a Slurm login node (or load its module), "
+                          "or use dry_run=true to see the script")
+
+
+def record_job(run_dir: Path, job) -> dict[str, Any]:
+    """Append a submitted job to RUN_DIR/jobs.json, which pretrain.status reads."""
+    entry = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}
+    path = run_dir / "jobs.json"
+    jobs = json.loads(path.read_text()) if path.is_file() else []
+    path.write_text(json.dumps(jobs + [entry], indent=2))
+    return entry
+
+
+def submit(cfgs: list[Config], sweep_dir: Path | None) -> int:
+    """Check, write the run directories, submit (one job, or one array for a sweep), print, return."""
+    from pretrain import launch
+
+    run_dirs = [cfg.run_dir for cfg in cfgs]
+    root = run_root(run_dirs, sweep_dir)
+    first = cfgs[0]
+    if first.dry_run:
+        print(batch_script(first, root, run_dirs))
+        print(f"# each of the {first.cluster.nodes * first.cluster.gpus_per_node} tasks runs the same as:")
+        print(f"#   {make_executor(first, root, run_dirs).python} -m pretrain.train \"$PRETRAIN_RUN_DIR\"")
+        print("# dry run: nothing was written or submitted")
+        return 0
+    check_submittable(cfgs, root)
+    for cfg in cfgs:
+        launch.write_run(cfg)
+    executor = make_executor(first, root, run_dirs)
+    tasks = [TrainTask(d) for d in run_dirs]
+    if len(tasks) == 1:
+        jobs = [executor.submit(tasks[0])]
+    else:
+        jobs = executor.submit_array(tasks)
+    for job, run_dir in zip(jobs, run_dirs):
+        entry = record_job(Path(run_dir), job)
+        print(f"submitted job {entry['job_id']}\n  run directory: {run_dir}\n  log (rank 0):  {entry['stdout']}\n"
+              f"  errors:        {entry['stderr']}")
+    print(f"follow with: python -m pretrain.status {sweep_dir or run_dirs[0]}")
+    return 0

@@ -1,0 +1,215 @@
+"""Submission to a real Slurm cluster on localhost (tests/slurm/localcluster.sh): two nodes n1, n2 with
+two fake GPUs each and no CUDA, so each job trains on CPUs with gloo, exactly as the launcher submits it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import REPO, launch, losses, metrics, snapshot
+from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
+
+pytestmark = pytest.mark.slurm
+
+# A user's own cluster file, as the README says to write one: the local test cluster's shape.
+LOCAL_CLUSTER = {
+    "name": "localtest", "partition": "debug", "nodes": 2, "gpus_per_node": 2, "cpus_per_task": 1,
+    "mem_gb": None, "time_min": 10, "signal_delay_s": 30, "env": {"OMP_NUM_THREADS": "1"},
+}
+TRAIN = ("train.micro_batch=4", "train.log_every=1", "train.eval_every=0", "precision=fp32")
+
+
+def write_cluster_conf(folder: Path, **changes) -> Path:
+    conf = folder / "myconf"
+    (conf / "cluster").mkdir(parents=True, exist_ok=True)
+    (conf / "cluster" / "localtest.yaml").write_text(yaml.safe_dump({**LOCAL_CLUSTER, **changes}))
+    return conf
+
+
+@pytest.fixture
+def cluster_conf(tmp_path) -> Path:
+    return write_cluster_conf(tmp_path)
+
+
+def submit(cluster: SlurmCluster, conf: Path, *overrides: str, env: dict | None = None):
+    return launch("+cluster=localtest", f"hydra.searchpath=[file://{conf}]", *overrides,
+                  env={**cluster.env, **(env or {})}, timeout=120)
+
+
+def job_id_of(run_dir: Path) -> str:
+    return json.loads((run_dir / "jobs.json").read_text())[-1]["job_id"]
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and any(s >= step for s in losses(run_dir)):
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"{run_dir} did not reach step {step}")
+
+
+def test_two_node_job_completes_and_launch_returns_at_once(slurm_cluster, cluster_conf, tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = submit(slurm_cluster, cluster_conf, "train.steps=24", *TRAIN, f"hydra.run.dir={run_dir}")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr + result.stdout
+    job = job_id_of(run_dir)
+    assert f"submitted job {job}" in result.stdout and f"run directory: {run_dir}" in result.stdout
+    assert str(run_dir / "slurm" / f"{job}_0_log.out") in result.stdout
+    # The launcher came back while the job had not finished.
+    assert slurm_cluster.squeue_state(job) in ("PENDING", "CONFIGURING", "RUNNING"), elapsed
+    assert elapsed < 20
+
+    assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", slurm_cluster.describe_job(job)
+    alloc = [r for r in slurm_cluster.sacct(job) if r["JobID"] == job][-1]
+    assert alloc["NodeList"] == "n[1-2]" and "gres/gpu=4" in alloc["AllocTRES"]
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, 25)), "each step logged once: one rank wrote the metrics"
+    assert curve[24] < curve[1] - 1.0
+    log = (run_dir / "train.log").read_text()
+    assert "world size 4" in log and "[rank1]" not in log
+    for rank in range(4):  # each rank's stderr in its own file
+        assert (run_dir / "slurm" / f"{job}_{rank}_log.err").is_file()
+
+
+def test_dry_run_shows_the_script_and_submits_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch("+cluster=a100x8", "cluster.nodes=4", "dry_run=true", "train.global_batch=256",
+                    "train.micro_batch=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",
+                 "#SBATCH --signal=USR2@120", "#SBATCH --time=2880", "#SBATCH --requeue", "srun ",
+                 "-m pretrain.train $PRETRAIN_RUN_DIR", 'scontrol requeue "$SLURM_JOB_ID"'):
+        assert line in out, line
+    assert "nothing was written or submitted" in out
+    assert not run_dir.exists()
+
+
+def test_dry_run_quotes_values_instead_of_running_them(tmp_path):
+    marker = tmp_path / "pwned"
+    result = launch("+cluster=a100x8", "dry_run=true", "train.global_batch=64",
+                    f"+cluster.env.EVIL='$(touch {marker}); `touch {marker}`'", f"hydra.run.dir={tmp_path}/my run")
+    assert result.returncode == 0, result.stderr
+    script = result.stdout.split("# each of the")[0]
+    assert f"export EVIL='$(touch {marker}); `touch {marker}`'" in script
+    assert f"PRETRAIN_RUN_DIRS=('{tmp_path}/my run')" in script
+    # Run the script's setup part in a shell: the values stay values.
+    import subprocess
+
+    setup = script.split("# setup")[1].split("# command")[0]
+    shown = subprocess.run(["bash", "-c", setup + '\necho "$EVIL"; echo "$PRETRAIN_RUN_DIR"'], capture_output=True,
+                           text=True)
+    assert shown.stdout.splitlines() == [f"$(touch {marker}); `touch {marker}`", f"{tmp_path}/my run"]
+    assert not marker.exists()
+
+
+def test_sweep_is_one_job_array(slurm_cluster, cluster_conf, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = submit(slurm_cluster, cluster_conf, "-m", "optim.lr=1e-3,2e-3,4e-3", "cluster.nodes=1",
+                    "train.steps=6", *TRAIN, f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 0, result.stderr + result.stdout
+    run_dirs = sorted(p.parent for p in sweep.glob("*/jobs.json"))
+    assert len(run_dirs) == 3
+    job_ids = [job_id_of(d) for d in run_dirs]
+    array = {j.split("_")[0] for j in job_ids}
+    assert len(array) == 1 and sorted(j.split("_")[1] for j in job_ids) == ["0", "1", "2"]
+    for job in job_ids:
+        assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", slurm_cluster.describe_job(job)
+    rates = set()
+    for run_dir in run_dirs:
+        rates.add(yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["lr"])
+        assert max(losses(run_dir)) == 6
+    assert rates == {1e-3, 2e-3, 4e-3}
+
+
+PREEMPT = ("train.steps=30", "train.ckpt_every=10", *TRAIN)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_loss(slurm_cluster, tmp_path_factory) -> float:
+    """The final loss of the preemption tests' job when nothing interrupts it."""
+    tmp = tmp_path_factory.mktemp("reference")
+    conf = write_cluster_conf(tmp)
+    run_dir = tmp / "run"
+    assert submit(slurm_cluster, conf, *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    assert slurm_cluster.wait_job(job_id_of(run_dir), timeout=300) == "COMPLETED"
+    return losses(run_dir)[30]
+
+
+def assert_resumed_to_the_same_end(cluster: SlurmCluster, run_dir: Path, job: str, reference: float) -> None:
+    assert cluster.wait_job(job, timeout=400) == "COMPLETED", cluster.describe_job(job)
+    assert cluster.restarts(job) >= 1
+    assert any(r["State"] == "REQUEUED" for r in cluster.sacct(job) if r["JobID"] == job)
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    assert losses(run_dir)[30] == pytest.approx(reference, abs=1e-6)
+    assert metrics(run_dir)[-1]["restarts"] >= 1
+
+
+def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, cluster_conf, tmp_path, uninterrupted_loss):
+    run_dir = tmp_path / "run"
+    assert submit(slurm_cluster, cluster_conf, *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    job = job_id_of(run_dir)
+    wait_for_step(run_dir, 12)
+    slurm_cluster.run("scancel", "--signal=USR2", job)
+    assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
+    out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert "the job will be requeued" in out
+    batch_out = "".join(p.read_text() for p in (run_dir / "slurm").glob(f"{job}_0_log.out"))
+    assert f"pretrain: requeueing job {job} (restart 1 of at most 10)" in batch_out
+
+
+def test_scontrol_requeue_resumes(slurm_cluster, cluster_conf, tmp_path, uninterrupted_loss):
+    run_dir = tmp_path / "run"
+    assert submit(slurm_cluster, cluster_conf, *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    job = job_id_of(run_dir)
+    wait_for_step(run_dir, 12)
+    slurm_cluster.run("scontrol", "requeue", job)
+    assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
+
+
+def hidden_slurm_path(tmp_path: Path) -> str:
+    """PATH as a container without Slurm's client commands sees it: every PATH folder mirrored minus those."""
+    folders = []
+    for index, folder in enumerate(os.environ["PATH"].split(os.pathsep)):
+        if not os.path.isdir(folder):
+            continue
+        if not any(os.path.exists(os.path.join(folder, c)) for c in ("scontrol", "sbatch", "srun")):
+            folders.append(folder)
+            continue
+        mirror = tmp_path / f"path{index}"
+        mirror.mkdir()
+        for name in os.listdir(folder):
+            if not name.startswith(("scontrol", "sbatch", "srun", "scancel", "squeue", "sacct", "salloc")):
+                (mirror / name).symlink_to(os.path.join(folder, name))
+        folders.append(str(mirror))
+    return os.pathsep.join(folders)
+
+
+def test_requeue_works_with_scontrol_hidden_in_a_container(slurm_cluster, tmp_path, uninterrupted_loss):
+    run_dir = tmp_path / "run"
+    image = tmp_path / "pretrain.sif"
+    image.write_bytes(b"stand-in image")
+    record = tmp_path / "container.jsonl"
+    env = {"PATH": f"{REPO / 'tests' / 'fake_container'}{os.pathsep}{os.environ['PATH']}",
+           "FAKE_CONTAINER_RECORD": str(record), "FAKE_CONTAINER_PATH": hidden_slurm_path(tmp_path)}
+    conf = write_cluster_conf(tmp_path, container={"image": str(image), "runtime": "apptainer"})
+    result = submit(slurm_cluster, conf, *PREEMPT, f"hydra.run.dir={run_dir}", env=env)
+    assert result.returncode == 0, result.stderr + result.stdout
+    job = job_id_of(run_dir)
+    wait_for_step(run_dir, 12)
+    slurm_cluster.run("scancel", "--signal=USR2", job)
+    assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(calls) >= 8  # 4 tasks, before and after the requeue
+    assert all(c["nv"] and c["image"] == str(image) and c["scontrol_inside"] == "none" for c in calls)
+    assert all(str(run_dir) in c["binds"] for c in calls)
+    assert {c["env"]["SLURM_PROCID"] for c in calls} == {"0", "1", "2", "3"}
+    assert all(c["env"]["PRETRAIN_RUN_DIR"] == str(run_dir) for c in calls)

@@ -31,37 +31,3 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     if not root.exists():
         return {}
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
-
-
-def wandb_history(fragment: Path) -> list[dict]:
-    """The history rows of one offline W&B run file, read with wandb's own Record protos."""
-    from pretrain.wandb_offline import read_records
-
-    return [{_item_key(item): json.loads(item.value_json) for item in record.history.item}
-            for record in read_records(fragment) if record.HasField("history")]
-
-
-def wandb_config(fragment: Path) -> dict:
-    """The W&B config of one offline W&B run file: the run's initial config, then every update in order."""
-    from pretrain.wandb_offline import read_records
-
-    config: dict = {}
-    for record in read_records(fragment):
-        kind = record.WhichOneof("record_type")
-        if kind in ("run", "config"):
-            updates = record.run.config if kind == "run" else record.config
-            config.update({_item_key(item): json.loads(item.value_json) for item in updates.update})
-            for item in updates.remove:
-                config.pop(_item_key(item), None)
-    return config
-
-
-def _item_key(item) -> str:
-    return item.key or ".".join(item.nested_key)
-
-
-def wandb_run_record(fragment: Path):
-    """The run record (id, project, group, display name, ...) of one offline W&B run file."""
-    from pretrain.wandb_offline import read_records
-
-    return next(record.run for record in read_records(fragment) if record.HasField("run"))

@@ -1,7 +1,7 @@
 """W&B from rank 0 with the real wandb library, offline: one run per training run, resumed into the same
 W&B run, sweeps grouped, online falling back to offline, uploading with pretrain.sync, and no secret leaked.
 
-W&B's offline files are read back with wandb's own Record protos (tests/helpers.py).
+W&B's offline files are read back with wandb's own Record protos (tests/wandb_records.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 from pretrain import redaction, runs, sync, wandb_access
 from pretrain.distributed import free_port
 from pretrain.wandb_offline import fragments, is_closed, is_synced, mark_synced, run_id
-from tests.helpers import REPO, launch, losses, metrics, wandb_config, wandb_history, wandb_run_record
+from tests.helpers import REPO, launch, losses, metrics
+from tests.wandb_records import wandb_config, wandb_history, wandb_run_record
 
 SHORT = ("train.steps=6", "train.log_every=2", "train.eval_every=0", "train.seq_len=64", "train.global_batch=8",
          "train.micro_batch=4")

@@ -113,6 +113,30 @@ class MetricsConfig:
     peak_flops: Optional[float] = None
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    # disabled: W&B is never imported. online: falls back to offline, with a notice, when there is
+    # no API key or the server cannot be reached. offline: RUN/wandb/, uploaded by `pretrain.sync`.
+    # There is deliberately no api_key here: the key reaches jobs only through the environment
+    # (WANDB_API_KEY or ~/.netrc), never through a file a run writes.
+    mode: str = "disabled"
+    project: str = "pretrain"
+    entity: Optional[str] = None
+    # null: none for a single run; a sweep's runs are grouped under the sweep directory's name.
+    group: Optional[str] = None
+    # null: the run directory's name; a sweep point is named after the values it varies.
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
 @dataclass
 class LocalConfig:
     # Processes on this machine; null means one per visible GPU, or 1 without GPUs.
@@ -160,6 +184,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     cluster: Optional[ClusterConfig] = None
     # With +cluster: print the sbatch script and submit nothing.

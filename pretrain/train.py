@@ -29,6 +29,7 @@ from pretrain.optim import build_optimizer, lr_factor, set_lr
 from pretrain.parallelize import build_mesh, parallelize
 from pretrain.watchdog import StepWatchdog
 from pretrain import preemption
+from pretrain.wandb_run import WandbRun
 
 log = logging.getLogger("pretrain")
 
@@ -107,6 +108,7 @@ class Trainer:
         self.val_data = source.open_val(cfg)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.train.ckpt_keep)
         self.metrics = logs.MetricsFile(self.run_dir / "metrics.jsonl")
+        self.wandb = WandbRun(cfg, env.is_main)
         self.state = TrainState()
         self.flops_per_token = {name: flops.flops_per_token(cfg.model, cfg.train.seq_len, name)
                                 for name in flops.ACCOUNTINGS}
@@ -242,6 +244,7 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         resumed = self.resume()
+        self.wandb.start(self.state.restarts)
         train = self.cfg.train
         log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s, "
                  "fsdp %s", self.cfg.model.name, f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size,
@@ -272,7 +275,9 @@ class Trainer:
                 eval_loss = self.evaluate()
                 if eval_loss is not None and self.env.is_main:
                     log.info("step %d | eval loss %.4f", step, eval_loss)
-                    self.metrics.write({"step": step, "eval_loss": eval_loss})
+                    record = {"step": step, "eval_loss": eval_loss}
+                    self.metrics.write(record)
+                    self.wandb.log(record)
             signalled = self.stop.agreed(self.device)
             planned = step == train.stop_at_step
             if step % train.ckpt_every == 0 or step == train.steps or signalled or planned:
@@ -312,6 +317,7 @@ class Trainer:
         if self.scaler.enabled:
             record["loss_scale"] = self.scaler.scale
         self.metrics.write(record)
+        self.wandb.log(record)
         eta = logs.human_duration(step_time * (self.cfg.train.steps - self.state.step))
         mfu = f"{record['mfu']:.1%}" if "mfu" in record else "-"
         log.info("step %d/%d | loss %.4f | lr %.2e | grad %.2f | %s tok/s | mfu %s | mem %.1f GB | eta %s",
@@ -368,7 +374,9 @@ def run(cfg: Config, prepare: bool = False) -> dict[str, Any]:
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     try:
-        return Trainer(cfg, env, device).fit()
+        trainer = Trainer(cfg, env, device)
+        with trainer.wandb:
+            return trainer.fit()
     finally:
         dist.destroy_process_group()
 

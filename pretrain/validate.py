@@ -7,8 +7,9 @@ and where useful what would work.
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 
-from pretrain import config
+from pretrain import config, redaction
 from pretrain.config import ClusterConfig, Config, ConfigError
 
 
@@ -105,6 +106,18 @@ def validate_cluster(cluster: ClusterConfig) -> None:
             raise ConfigError(f"cluster.env key {key!r} is not a valid environment variable name")
 
 
+def validate_logging(cfg: Config) -> None:
+    _one_of("logging.wandb.mode", cfg.logging.wandb.mode, config.WANDB_MODES)
+
+
+def validate_no_secrets(cfg: Config) -> None:
+    """The config is saved with the run and goes into job scripts: a secret there would leak."""
+    found = redaction.find_in_config(asdict(cfg))
+    if found:
+        raise ConfigError(f"{found[0]} holds a secret; keep keys and tokens out of the config, in your environment "
+                          "(e.g. export WANDB_API_KEY=...), where jobs get them from")
+
+
 def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
     """Raise ConfigError for the first setting that cannot work on `world_size` ranks."""
     _positive({"local.nproc": cfg.local.nproc})
@@ -114,3 +127,5 @@ def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool
     validate_train(cfg, world_size)
     validate_parallel(cfg, world_size, local_world_size)
     validate_precision(cfg, has_cuda)
+    validate_logging(cfg)
+    validate_no_secrets(cfg)

@@ -233,3 +233,20 @@ def test_killed_node_ends_the_job_which_is_requeued_and_resumes(slurm_cluster, c
     assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
     batch_out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert "a task failed with exit code" in batch_out
+
+
+def test_wandb_key_reaches_the_job_only_through_the_environment(slurm_cluster, cluster_conf, tmp_path):
+    """A Slurm job logging to W&B (offline: no network here) with a marker key: the key is in nothing it wrote."""
+    from tests.test_wandb import MARKER
+
+    run_dir = tmp_path / "run"
+    result = submit(slurm_cluster, cluster_conf, "train.steps=4", *TRAIN, "logging.wandb.mode=online",
+                    f"hydra.run.dir={run_dir}", env={"WANDB_API_KEY": MARKER, "WANDB_BASE_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 0, result.stderr
+    job = job_id_of(run_dir)
+    assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", slurm_cluster.describe_job(job)
+    assert "logging offline" in (run_dir / "train.log").read_text().lower()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in written)
+    assert [p for p in written if MARKER.encode() in p.read_bytes()] == []
+    assert MARKER not in result.stdout + result.stderr

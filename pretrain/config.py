@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 CHECKPOINTING = ("none", "selective", "full")
+ATTENTION_KERNELS = ("auto", "default", "cudnn", "flash")
 
 
 class ConfigError(ValueError):
@@ -48,7 +49,11 @@ class FSDPConfig:
     # hybrid_shard: ranks per shard group; null means the GPUs of one node.
     shard_size: Optional[int] = None
     activation_checkpointing: str = "none"
+    # Compile each transformer block and the loss.
     compile: bool = False
+    # Kernel tried first by scaled_dot_product_attention: auto is cudnn on Hopper and newer GPUs
+    # and PyTorch's own order (default) elsewhere; cudnn or flash force that order.
+    attention: str = "auto"
 
 
 @dataclass
@@ -94,8 +99,11 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
+    # 0: no checkpoints except when stopped early (benchmarks).
     ckpt_every: int = 100
     ckpt_keep: int = 2
+    # Write checkpoints in the background; training blocks only while the state is staged.
+    async_checkpoint: bool = False
     # Stop after this many consecutive steps with a non-finite loss or gradient.
     max_bad_steps: int = 5
 

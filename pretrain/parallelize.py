@@ -10,6 +10,7 @@ Sharding strategies map onto FSDP2 (`fully_shard`) as follows:
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
@@ -22,6 +23,8 @@ try:  # torch >= 2.6 exports FSDP2 here; 2.4-2.5 kept it under _composable.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError:  # pragma: no cover - depends on the installed torch
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
 
 
 def mesh_shape(strategy: str, world_size: int, shard_size: int) -> tuple[int, ...]:
@@ -79,18 +82,62 @@ def apply_compile(model: nn.Module) -> None:
         model.layers[index] = torch.compile(block)
 
 
+def shard_degree(mesh: DeviceMesh) -> int:
+    """Ranks a parameter is split over (the last mesh dimension is the sharding one)."""
+    return mesh.size(mesh.ndim - 1)
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype) -> None:
-    """fully_shard per block and at the root, with the mixed-precision policy."""
-    reshard = strategy != "shard_grad_op"
+    """fully_shard per block, the input embedding and the output layer, and at the root.
+
+    The embedding and output layers (a third of the 1B model's parameters with a 128k vocabulary)
+    get units of their own, as torchtitan does: the output layer's gradient reduction then
+    overlaps the blocks' backward instead of waiting, with the embedding's, for the root's.
+    Tied weights are one parameter and must stay in one unit: the root's.
+    Unsharded (one rank per shard), resharding after forward would only free the compute-dtype
+    copies to cast them again in backward: it is off there.
+    """
+    reshard = strategy != "shard_grad_op" and shard_degree(mesh) > 1
     policy = mixed_precision(param_dtype)
+    shard = partial(fully_shard, mesh=mesh, mp_policy=policy)
+    if not model.cfg.tie_embeddings:
+        shard(model.tok_embeddings, reshard_after_forward=reshard)
     last = len(model.layers) - 1
     for index, block in enumerate(model.layers):
         # The last block's parameters are needed again at once by backward: keep them.
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard and index < last)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        shard(block, reshard_after_forward=reshard and index < last)
+    if not model.cfg.tie_embeddings:
+        # Backward starts here: resharding would all-gather it again at once.
+        shard(model.output, reshard_after_forward=False)
+    shard(model, reshard_after_forward=False)
+
+
+def select_attention(name: str, device_type: str) -> None:
+    """Set, for this process, which scaled_dot_product_attention kernel is tried first.
+
+    PyTorch tries FlashAttention-2 first; on Hopper cuDNN's attention kernel is faster (see
+    bench/NOTES.md). The choice is made when a call is traced or run, so it must precede
+    compilation. Only CUDA devices are affected.
+    """
+    if device_type != "cuda" or name == "default":
+        return
+    if name == "auto":
+        hopper = torch.cuda.get_device_capability() >= (9, 0)
+        if not (hopper and torch.backends.cudnn.is_available()):
+            return
+        name = "cudnn"
+    from torch.nn.attention import SDPBackend
+
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
+    if not hasattr(torch._C, "_set_sdp_priority_order"):  # torch < 2.6
+        log.warning("fsdp.attention=%s needs torch >= 2.6; using PyTorch's default order", name)
+        return
+    order = torch._C._get_sdp_priority_order()
+    torch._C._set_sdp_priority_order([int(first)] + [b for b in order if b != int(first)])
 
 
 def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype) -> nn.Module:
+    select_attention(cfg.attention, mesh.device_type)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--repo", type=Path, default=common.REPO,
                         help="package tree to run (another checkout, for a before/after comparison)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     setup = SETUPS[args.setup]
     name = args.name or args.setup

@@ -15,7 +15,6 @@ from hydra.core.config_store import ConfigStore
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 CHECKPOINTING = ("none", "selective", "full")
-ATTENTION_KERNELS = ("auto", "default", "cudnn", "flash")
 
 
 class ConfigError(ValueError):
@@ -51,9 +50,6 @@ class FSDPConfig:
     activation_checkpointing: str = "none"
     # Compile each transformer block and the loss.
     compile: bool = False
-    # Kernel tried first by scaled_dot_product_attention: auto is cudnn on Hopper and newer GPUs
-    # and PyTorch's own order (default) elsewhere; cudnn or flash force that order.
-    attention: str = "auto"
 
 
 @dataclass

@@ -10,7 +10,6 @@ Sharding strategies map onto FSDP2 (`fully_shard`) as follows:
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
 import torch
@@ -23,8 +22,6 @@ try:  # torch >= 2.6 exports FSDP2 here; 2.4-2.5 kept it under _composable.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError:  # pragma: no cover - depends on the installed torch
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-
-log = logging.getLogger(__name__)
 
 
 def mesh_shape(strategy: str, world_size: int, shard_size: int) -> tuple[int, ...]:
@@ -112,32 +109,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     shard(model, reshard_after_forward=False)
 
 
-def select_attention(name: str, device_type: str) -> None:
-    """Set, for this process, which scaled_dot_product_attention kernel is tried first.
-
-    PyTorch tries FlashAttention-2 first; on Hopper cuDNN's attention kernel is faster (see
-    bench/NOTES.md). The choice is made when a call is traced or run, so it must precede
-    compilation. Only CUDA devices are affected.
-    """
-    if device_type != "cuda" or name == "default":
-        return
-    if name == "auto":
-        hopper = torch.cuda.get_device_capability() >= (9, 0)
-        if not (hopper and torch.backends.cudnn.is_available()):
-            return
-        name = "cudnn"
-    from torch.nn.attention import SDPBackend
-
-    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
-    if not hasattr(torch._C, "_set_sdp_priority_order"):  # torch < 2.6
-        log.warning("fsdp.attention=%s needs torch >= 2.6; using PyTorch's default order", name)
-        return
-    order = torch._C._get_sdp_priority_order()
-    torch._C._set_sdp_priority_order([int(first)] + [b for b in order if b != int(first)])
-
-
 def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype) -> nn.Module:
-    select_attention(cfg.attention, mesh.device_type)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)

@@ -66,7 +66,6 @@ def validate_parallel(cfg: Config, world_size: int, local_world_size: int) -> No
     f = cfg.fsdp
     _one_of("fsdp.strategy", f.strategy, config.STRATEGIES)
     _one_of("fsdp.activation_checkpointing", f.activation_checkpointing, config.CHECKPOINTING)
-    _one_of("fsdp.attention", f.attention, config.ATTENTION_KERNELS)
     _positive({"fsdp.shard_size": f.shard_size})
     if f.strategy != "hybrid_shard":
         return

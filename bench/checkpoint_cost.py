@@ -4,10 +4,11 @@
 
 1. Synchronous saves: train a few steps with a checkpoint every 2 steps; the run's metrics give
    each save's time (ckpt_save_s). Then resume one step further: the load time (ckpt_load_s).
-2. Asynchronous saves (train.async_checkpoint=true): a checkpoint every --async-every steps,
-   logging every step; the metrics give the time training was blocked staging each save
-   (ckpt_stage_s), waiting for the writes of the previous one (ckpt_wait_s), and the time to
-   publication (ckpt_save_s), next to the step time of the steps around it.
+2. Asynchronous saves (train.async_checkpoint=true): checkpoints after --async-every and
+   2 x --async-every steps (the last awaited at the end), logging every step; the metrics give
+   the time training was blocked staging each save (ckpt_stage_s), waiting for the writes of
+   the previous one (ckpt_wait_s), and the time to publication (ckpt_save_s), next to the step
+   time of the steps around it.
 Checkpoints are written to --runs (local disk) and deleted afterwards.
 """
 
@@ -33,12 +34,12 @@ def checkpoint_gb(run_dir: Path) -> float:
     return sum(f.stat().st_size for f in found[-1].rglob("*") if f.is_file()) / 2**30 if found else 0.0
 
 
-def sync_saves(runs: Path, out: Path, timeout: float) -> dict[str, Any]:
+def sync_saves(runs: Path, out: Path, timeout: float, base: list[str]) -> dict[str, Any]:
     run_dir = runs / "ckpt-sync"
-    save = BASE + ["train.steps=4", "train.ckpt_every=2", "train.log_every=1"]
+    save = base + ["train.steps=4", "train.ckpt_every=2", "train.log_every=1"]
     first = common.launch(save, run_dir, timeout, out / "ckpt-sync.log")
     size = checkpoint_gb(run_dir)
-    load = BASE + ["train.steps=5", "train.ckpt_every=100", "train.log_every=1"]
+    load = base + ["train.steps=5", "train.ckpt_every=0", "train.log_every=1"]
     second = common.launch(load, run_dir, timeout, out / "ckpt-load.log")
     records = common.metrics(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -49,9 +50,9 @@ def sync_saves(runs: Path, out: Path, timeout: float) -> dict[str, Any]:
             "step_time_s": median_step_time(records)}
 
 
-def async_saves(runs: Path, out: Path, timeout: float, every: int) -> dict[str, Any]:
+def async_saves(runs: Path, out: Path, timeout: float, every: int, base: list[str]) -> dict[str, Any]:
     run_dir = runs / "ckpt-async"
-    overrides = BASE + [f"train.steps={3 * every}", f"train.ckpt_every={every}", "train.log_every=1",
+    overrides = base + [f"train.steps={2 * every}", f"train.ckpt_every={every}", "train.log_every=1",
                         "train.async_checkpoint=true"]
     ran = common.launch(overrides, run_dir, timeout, out / "ckpt-async.log")
     records = common.metrics(run_dir)
@@ -88,11 +89,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
-    parser.add_argument("--async-every", type=int, default=15)
+    parser.add_argument("--async-every", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=400)
-    args = parser.parse_args()
-    result = {**common.stamp(), "settings": BASE, "sync": sync_saves(args.runs, args.out, args.timeout),
-              "async": async_saves(args.runs, args.out, args.timeout, args.async_every)}
+    parser.add_argument("overrides", nargs="*", help="extra launcher overrides (e.g. model=tiny to try it on a CPU)")
+    args = parser.parse_intermixed_args()
+    base = BASE + args.overrides
+    result = {**common.stamp(), "settings": base, "sync": sync_saves(args.runs, args.out, args.timeout, base),
+              "async": async_saves(args.runs, args.out, args.timeout, args.async_every, base)}
     common.write_result(args.out, "checkpoint_cost", result, table(result))
     print(table(result))
     return 0

@@ -50,9 +50,9 @@ def sync_saves(runs: Path, out: Path, timeout: float, base: list[str]) -> dict[s
             "step_time_s": median_step_time(records)}
 
 
-def async_saves(runs: Path, out: Path, timeout: float, every: int, base: list[str]) -> dict[str, Any]:
+def async_saves(runs: Path, out: Path, timeout: float, every: int, base: list[str], steps: int | None) -> dict[str, Any]:
     run_dir = runs / "ckpt-async"
-    overrides = base + [f"train.steps={2 * every}", f"train.ckpt_every={every}", "train.log_every=1",
+    overrides = base + [f"train.steps={steps or 2 * every}", f"train.ckpt_every={every}", "train.log_every=1",
                         "train.async_checkpoint=true"]
     ran = common.launch(overrides, run_dir, timeout, out / "ckpt-async.log")
     records = common.metrics(run_dir)
@@ -72,16 +72,18 @@ def median_step_time(records: list[dict[str, Any]]) -> float | None:
 def table(result: dict[str, Any]) -> str:
     s, a = result["sync"], result["async"]
     fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs) or "-"  # noqa: E731
-    rows = ["| | |", "|---|---|",
-            f"| checkpoint size (model + optimizer, 1 rank) | {s['checkpoint_gib']:.1f} GiB |",
-            f"| synchronous save, s (each save) | {fmt(s['save_s'])} |",
-            f"| load (resume), s | {fmt(s['load_s'])} |",
-            f"| step time (eager, micro-batch 4) | {(s['step_time_s'] or 0) * 1000:.0f} ms |"]
+    rows = ["| | |", "|---|---|"]
+    if s:
+        rows += [f"| checkpoint size (model + optimizer, 1 rank) | {s['checkpoint_gib']:.1f} GiB |",
+                 f"| synchronous save, s (each save) | {fmt(s['save_s'])} |",
+                 f"| load (resume), s | {fmt(s['load_s'])} |",
+                 f"| step time (eager, micro-batch 4) | {(s['step_time_s'] or 0) * 1000:.0f} ms |"]
+    rows.append(f"| async run: median step time | {(a['step_time_s'] or 0) * 1000:.0f} ms |")
     for save in a["saves"]:
         rows.append(f"| async save at step {save['step']}: blocked staging / waiting for writes / published after | "
                     f"{save['ckpt_stage_s']:.2f} s / {save['ckpt_wait_s']:.2f} s / {save['ckpt_save_s']:.1f} s |")
     rows.append(f"| step times after each async save, s | {a['steps_after_save']} |")
-    rows += ["", "commands:", *(f"- `{c}`" for c in s["commands"]), f"- `{a['command']}`"]
+    rows += ["", "commands:", *(f"- `{c}`" for c in (s["commands"] if s else [])), f"- `{a['command']}`"]
     return "\n".join(rows)
 
 
@@ -90,13 +92,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
     parser.add_argument("--async-every", type=int, default=40)
+    parser.add_argument("--async-only", action="store_true", help="skip the synchronous save and load runs")
     parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--async-steps", type=int, help="train this many steps in the async run (default 2 x every)")
+    parser.add_argument("--name", default="checkpoint_cost")
     parser.add_argument("overrides", nargs="*", help="extra launcher overrides (e.g. model=tiny to try it on a CPU)")
     args = parser.parse_intermixed_args()
     base = BASE + args.overrides
-    result = {**common.stamp(), "settings": base, "sync": sync_saves(args.runs, args.out, args.timeout, base),
-              "async": async_saves(args.runs, args.out, args.timeout, args.async_every, base)}
-    common.write_result(args.out, "checkpoint_cost", result, table(result))
+    sync = None if args.async_only else sync_saves(args.runs, args.out, args.timeout, base)
+    result = {**common.stamp(), "settings": base, "sync": sync,
+              "async": async_saves(args.runs, args.out, args.timeout, args.async_every, base, args.async_steps)}
+    common.write_result(args.out, args.name, result, table(result))
     print(table(result))
     return 0
 

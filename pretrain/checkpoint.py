@@ -11,10 +11,11 @@ half-written folder that looks complete. DCP reshards on load, so a checkpoint w
 processes loads into any other number.
 
 Asynchronous saves (train.async_checkpoint) keep that order: training blocks only while the
-state is copied to host memory (on torch >= 2.9 and CUDA not even that: the copy runs on a side
-stream while the next step computes, and `wait_for_staging` holds the optimizer step until it
-is done); a background thread writes the shards, and the folder is published, by the same
-barrier, manifest and rename, once every rank has finished writing (`poll`, `wait`).
+state is copied to host memory (on torch >= 2.9 with CUDA the copy runs on a side stream into
+freshly pinned memory and `wait_for_staging` holds the next optimizer step until it is done;
+bench/NOTES.md has what that costs); a background thread writes the shards, and the folder is
+published, by the same barrier, manifest and rename, once every rank has finished writing
+(`poll`, `wait`).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class PendingSave:
     manifest: dict[str, Any]
     upload: Future
     staging: Future | None
+    stager: Any  # closed once the upload is done, freeing its pinned memory
     started: float
     stage_s: float = 0.0  # the training loop's time in `save` and `wait_for_staging`
 
@@ -129,7 +131,6 @@ class Checkpointer:
         self.async_save = async_save
         self.pending: PendingSave | None = None
         self._group = _cpu_group() if async_save else None
-        self._stager = _pinned_stager() if async_save else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
              model_cfg: ModelConfig) -> Path:
@@ -157,16 +158,17 @@ class Checkpointer:
             "train_state": train_state,
         }
         if self.async_save:
-            upload, staging = self._start_async(state, partial)
-            self.pending = PendingSave(partial, final, manifest, upload, staging, started)
+            stager = _pinned_stager()
+            upload, staging = self._start_async(state, partial, stager)
+            self.pending = PendingSave(partial, final, manifest, upload, staging, stager, started)
             self.pending.stage_s = time.perf_counter() - started
             return final
         dcp.save(state, checkpoint_id=str(partial))
         self._finish(partial, final, manifest)
         return final
 
-    def _start_async(self, state: dict[str, Any], partial: Path) -> tuple[Future, Future | None]:
-        kwargs = {"async_stager": self._stager} if self._stager is not None else {}
+    def _start_async(self, state: dict[str, Any], partial: Path, stager: Any) -> tuple[Future, Future | None]:
+        kwargs = {"async_stager": stager} if stager is not None else {}
         response = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group, **kwargs)
         if hasattr(response, "upload_completion"):  # torch >= 2.9 with staging in the background
             return response.upload_completion, response.staging_completion
@@ -201,6 +203,8 @@ class Checkpointer:
         if pending.staging is not None:
             pending.staging.result()
         pending.upload.result()
+        if pending.stager is not None:
+            pending.stager.close()
         self._finish(pending.partial, pending.final, pending.manifest)
         return {"path": pending.final, "step": pending.manifest["step"], "total_s": time.perf_counter() - pending.started,
                 "stage_s": pending.stage_s, "wait_s": time.perf_counter() - waited}
@@ -246,23 +250,18 @@ def _cpu_group() -> dist.ProcessGroup:
 
 
 def _pinned_stager():
-    """Stages to cached pinned host memory on a side stream (torch >= 2.9 with CUDA); None elsewhere,
-    where dcp.async_save copies the state to host memory before it returns."""
+    """A stager that copies to pinned host memory on a side stream (torch >= 2.9 with CUDA); None
+    elsewhere, where dcp.async_save copies the state to host memory before it returns.
+
+    One per save: on torch 2.11 a DefaultStager reused for a second save failed inside its
+    deepcopy (KeyError: <class 'type'>; its caches are cleared once the first upload is done),
+    even with its close() disabled, so its pinned buffers cannot be kept between saves.
+    """
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
-
-    class RunStager(DefaultStager):
-        """One stager for the whole run, so its pinned buffers are allocated once (seconds for a
-        1B model's 17 GiB) and reused. torch 2.11's async_save closes the stager it is given once
-        the upload is done, which clears its caches while the next save may be staging (seen:
-        KeyError in the stager's deepcopy at the second save); that close is ignored here."""
-
-        def close(self) -> None:
-            pass
-
-    return RunStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                                    use_non_blocking_copy=True))
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=True))

@@ -10,6 +10,13 @@ moment therefore leaves either the previous complete checkpoint or the new one, 
 half-written folder that looks complete. DCP reshards on load, so a checkpoint written by N
 processes loads into any other number.
 
+Asynchronous saves (train.async_checkpoint) keep that order: training blocks only while the
+state is copied to host memory (on torch >= 2.9 with CUDA the copy runs on a side stream into
+freshly pinned memory and `wait_for_staging` holds the next optimizer step until it is done;
+bench/NOTES.md has what that costs); a background thread writes the shards, and the folder is
+published, by the same barrier, manifest and rename, once every rank has finished writing
+(`poll`, `wait`).
+
 The manifest lists every file of the checkpoint with its size and CRC32 (each rank digests the
 files it wrote). `verify` checks them before a load; the training start falls back to the
 previous checkpoint when the newest is damaged, and renames the damaged one aside (`.damaged`),
@@ -22,7 +29,10 @@ import json
 import logging
 import os
 import shutil
+import time
 import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pretrain import faults
 from pretrain.config import ModelConfig
+from pretrain.distributed import all_agree
 
 log = logging.getLogger(__name__)
 
@@ -161,14 +172,37 @@ def set_aside(path: Path) -> Path:
     return target
 
 
+@dataclass
+class PendingSave:
+    """An asynchronous save whose shards are still being written."""
+
+    partial: Path
+    final: Path
+    manifest: dict[str, Any]
+    upload: Future
+    staging: Future | None
+    stager: Any  # closed once the upload is done, freeing its pinned memory
+    started: float
+    stage_s: float = 0.0  # the training loop's time in `save` and `wait_for_staging`
+
+
 class Checkpointer:
-    def __init__(self, root: Path, keep: int) -> None:
+    def __init__(self, root: Path, keep: int, async_save: bool = False) -> None:
         self.root = root
         self.keep = keep
+        self.async_save = async_save
+        self.pending: PendingSave | None = None
+        self._group = _cpu_group() if async_save else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
              model_cfg: ModelConfig, config_hash: str) -> Path:
-        """Write a checkpoint of everything needed to continue exactly; returns its folder."""
+        """Write a checkpoint of everything needed to continue exactly; returns its folder.
+
+        Asynchronous: returns once the state is staged; the folder appears when `poll` or `wait`
+        finds every rank done. A save still pending is published first.
+        """
+        self.wait()
+        started = time.perf_counter()
         final = self.root / step_dir_name(step)
         partial = final.with_name(final.name + PARTIAL)
         rank = dist.get_rank()
@@ -177,12 +211,61 @@ class Checkpointer:
             (partial / "rng").mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        state = {"model": model_sd, "optim": optim_sd}
         torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
         manifest = {"step": step, "world_size": dist.get_world_size(), "config_hash": config_hash,
                     "model_shape": model_shape(model_cfg), "train_state": train_state}
+        if self.async_save:
+            stager = _pinned_stager()
+            upload, staging = self._start_async(state, partial, stager)
+            self.pending = PendingSave(partial, final, manifest, upload, staging, stager, started)
+            self.pending.stage_s = time.perf_counter() - started
+            return final
+        dcp.save(state, checkpoint_id=str(partial))
         self._finish(partial, final, manifest)
         return final
+
+    def _start_async(self, state: dict[str, Any], partial: Path, stager: Any) -> tuple[Future, Future | None]:
+        kwargs = {"async_stager": stager} if stager is not None else {}
+        response = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group, **kwargs)
+        if hasattr(response, "upload_completion"):  # torch >= 2.9 with staging in the background
+            return response.upload_completion, response.staging_completion
+        return response, None
+
+    def wait_for_staging(self) -> None:
+        """Block until a pending save has copied the state: call before the optimizer changes it."""
+        if self.pending is not None and self.pending.staging is not None:
+            started = time.perf_counter()
+            self.pending.staging.result()
+            self.pending.staging = None
+            self.pending.stage_s += time.perf_counter() - started
+
+    def poll(self, device: torch.device) -> dict[str, Any] | None:
+        """Publish a pending save if every rank has written its shards (a collective: call on all ranks)."""
+        if self.pending is None:
+            return None
+        if all_agree(not self.pending.upload.done(), device):
+            return None
+        return self.wait()
+
+    def wait(self) -> dict[str, Any] | None:
+        """Finish and publish a pending save, or None if none was pending.
+
+        Returns its folder, step, seconds from start to publication (total_s), and the seconds
+        the caller was blocked: staging (stage_s) and waiting here for the writes (wait_s).
+        """
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        waited = time.perf_counter()
+        if pending.staging is not None:
+            pending.staging.result()
+        pending.upload.result()
+        if pending.stager is not None:
+            pending.stager.close()
+        self._finish(pending.partial, pending.final, pending.manifest)
+        return {"path": pending.final, "step": pending.manifest["step"], "total_s": time.perf_counter() - pending.started,
+                "stage_s": pending.stage_s, "wait_s": time.perf_counter() - waited}
 
     def _finish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
         """Once every rank has written: digest the files, write the manifest, publish by renaming."""
@@ -224,3 +307,30 @@ class Checkpointer:
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return read_manifest(path)["train_state"]
+
+
+def _cpu_group() -> dist.ProcessGroup:
+    """A gloo group of its own for the background thread of asynchronous saves.
+
+    dcp.async_save needs a CPU backend (NCCL's is GPU-only), and collectives of two threads must
+    never share a group: their order could differ between ranks.
+    """
+    return dist.new_group(backend="gloo")
+
+
+def _pinned_stager():
+    """A stager that copies to pinned host memory on a side stream (torch >= 2.9 with CUDA); None
+    elsewhere, where dcp.async_save copies the state to host memory before it returns.
+
+    One per save: on torch 2.11 a DefaultStager reused for a second save failed inside its
+    deepcopy (KeyError: <class 'type'>; its caches are cleared once the first upload is done),
+    even with its close() disabled, so its pinned buffers cannot be kept between saves.
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=True))

@@ -48,6 +48,7 @@ class FSDPConfig:
     # hybrid_shard: ranks per shard group; null means the GPUs of one node.
     shard_size: Optional[int] = None
     activation_checkpointing: str = "none"
+    # Compile each transformer block and the loss.
     compile: bool = False
 
 
@@ -94,6 +95,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
+    # 0: no checkpoints except when stopped early (benchmarks).
     ckpt_every: int = 100
     ckpt_keep: int = 2
     # End this job after this step (with a checkpoint) while keeping the schedule of `steps`:
@@ -103,6 +105,8 @@ class TrainConfig:
     hang_timeout_s: float = 900.0
     # Timeout of every collective (NCCL/gloo), also bounding the first step and checkpoint saves.
     collective_timeout_s: float = 1800.0
+    # Write checkpoints in the background; training blocks only while the state is staged.
+    async_checkpoint: bool = False
     # Stop after this many consecutive steps with a non-finite loss or gradient.
     max_bad_steps: int = 5
 

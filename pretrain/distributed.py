@@ -104,3 +104,10 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 60
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+def all_agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any rank: one small all-reduce."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)

@@ -44,3 +44,22 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step_unless` can skip this optimizer's update on the device: fused AdamW reads
+    a found-inf flag inside its kernel; the foreach and for-loop versions do not."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """optimizer.step(), leaving parameters, moments and step counts untouched where found_inf is 1.
+
+    Passed as torch.amp.GradScaler passes it (an attribute the fused step reads), so no host
+    sync is needed to decide whether to step.
+    """
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf

@@ -6,7 +6,6 @@ compute dtype changes (FSDP2's MixedPrecisionPolicy casts parameters at all-gath
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 

@@ -4,6 +4,8 @@ Slurm sends the signal given by `--signal` before the time limit, and SIGTERM on
 or `scancel`. Work inside a signal handler is unsafe (it may interrupt a collective), so the
 handler records the request and the training loop asks every rank, with one small all-reduce
 after each step, whether any of them was asked to stop. All ranks then save and exit together.
+On CUDA the answer comes one step late: each step's all-reduce is read at the next step,
+so the host never waits for the GPU to drain (see pretrain.deferred).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import signal
 from pathlib import Path
 
 import torch
-
 import torch.distributed as dist
+
+from pretrain.deferred import DeferredValue
 
 # USR2 is what submitit's sbatch scripts ask Slurm for (--signal=USR2@delay); USR1 for hand-written
 # scripts; TERM for preemption and scancel.
@@ -38,6 +41,7 @@ class StopRequest:
         self.local = self.NONE
         self.agreed_kind = self.NONE
         self.reason = ""
+        self._pending: DeferredValue | None = None
 
     def install(self) -> None:
         for sig in SIGNALS:
@@ -53,10 +57,18 @@ class StopRequest:
         return self.agreed_kind == self.REQUEUE
 
     def agreed(self, device: torch.device) -> bool:
-        """True on every rank when any rank got a signal: one small all-reduce."""
+        """True on every rank when any rank got a signal: one small all-reduce.
+
+        On CUDA the answer comes one step late: each step's all-reduce is read at the next step,
+        so the host never waits for the GPU to drain (see pretrain.deferred).
+        """
         value = torch.tensor([float(self.local)], device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        self.agreed_kind = int(value.item())
+        if device.type == "cuda":
+            previous, self._pending = self._pending, DeferredValue(value)
+            self.agreed_kind = int(previous.get().item()) if previous is not None else self.NONE
+        else:
+            self.agreed_kind = int(value.item())
         if self.agreed_kind and not self.reason:
             self.reason = "a signal on another rank"
         return self.agreed_kind != self.NONE

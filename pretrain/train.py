@@ -24,8 +24,10 @@ from pretrain import checkpoint, config, distributed, faults, flops, logs, preci
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import Config
 from pretrain import run_data as source
-from pretrain.models.llama import Transformer, cross_entropy
-from pretrain.optim import build_optimizer, lr_factor, set_lr
+from pretrain.deferred import DeferredValue
+from pretrain.loss import build_loss
+from pretrain.models.llama import Transformer
+from pretrain.optim import build_optimizer, lr_factor, set_lr, skips_on_device, step_unless
 from pretrain.parallelize import build_mesh, parallelize
 from pretrain.watchdog import StepWatchdog
 from pretrain import preemption
@@ -33,8 +35,9 @@ from pretrain.wandb_run import WandbRun
 
 log = logging.getLogger("pretrain")
 
-# Models up to this many parameters are initialised on the CPU at full size, which makes the
-# initial weights independent of the number of processes; larger ones start on the meta device.
+# Models up to this many parameters are initialised at full size on every rank's device (on
+# the GPU: seconds rather than the CPU's minutes), which makes the initial weights independent
+# of the number of processes; larger ones start on the meta device.
 FULL_INIT_MAX_PARAMS = 3_000_000_000
 
 
@@ -54,7 +57,7 @@ class TrainState:
 def build_model(cfg: Config, device: torch.device, mesh) -> torch.nn.Module:
     torch.manual_seed(cfg.train.seed)
     small = flops.parameter_count(cfg.model) <= FULL_INIT_MAX_PARAMS
-    with torch.device("cpu" if small else "meta"):
+    with torch.device(device if small else "meta"):
         model = Transformer(cfg.model)
     if small:
         model.init_weights()
@@ -104,9 +107,14 @@ class Trainer:
         self.model = build_model(cfg, device, self.mesh)
         self.optimizer = build_optimizer(self.model, cfg.optim, device)
         self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
+        self.loss_fn = build_loss(cfg.fsdp.compile)
+        self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.enabled
+        # Steps whose finite-norm flag is still on the device: (step number, flag).
+        self.unsettled: list[tuple[int, DeferredValue]] = []
         self.data = source.open_train(cfg)
         self.val_data = source.open_val(cfg)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.train.ckpt_keep)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.train.ckpt_keep,
+                                         async_save=cfg.train.async_checkpoint)
         self.metrics = logs.MetricsFile(self.run_dir / "metrics.jsonl")
         self.wandb = WandbRun(cfg, env.is_main)
         self.state = TrainState()
@@ -135,14 +143,18 @@ class Trainer:
                 self._set_aside(path, damage)
                 continue
             checkpoint.check_compatible(path, self.cfg.model)
+            started = time.perf_counter()
             saved = self.checkpointer.load(path, self.model, self.optimizer)
+            seconds = time.perf_counter() - started
             self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
             self.state.restarts += 1
             if "scaler" in saved:
                 self.scaler.load_state_dict(saved["scaler"])
             if self.env.is_main:
                 self.metrics.truncate_after(self.state.step)
-            log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples)
+                self.metrics.write({"step": self.state.step, "ckpt_load_s": seconds})
+            log.info("resumed from %s in %.1f s (step %d, %d samples seen)", path, seconds, self.state.step,
+                     self.state.samples)
             return path
         return None
 
@@ -163,19 +175,22 @@ class Trainer:
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
 
-    def train_step(self) -> tuple[torch.Tensor, float]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over the accumulation micro-batches and one optimizer step.
 
-        Returns this rank's mean loss (a device tensor: no host sync) and the global gradient norm.
+        Returns this rank's mean loss and the global gradient norm (device tensors: no host sync).
         A non-finite gradient norm (from a non-finite loss or gradient on any rank, or an fp16
-        overflow) skips the update on every rank alike, since the norm is all-reduced.
+        overflow) skips the update on every rank alike, since the norm is all-reduced. With fused
+        AdamW and no loss scaling the skip happens on the device and is counted at the next step
+        (`settle_skips`); fp16 and the CPU read the norm at once.
         """
+        self.settle_skips()
         set_lr(self.optimizer, self.cfg.optim.lr * lr_factor(self.state.step, self.cfg.optim, self.cfg.train.steps))
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets = self._batch(micro)
             self.model.set_requires_gradient_sync(micro == self.accum - 1)
-            loss = cross_entropy(self.model(inputs), targets) / self.accum
+            loss = self.loss_fn(self.model(inputs), targets) / self.accum
             if faults.active("nan_loss", self.state.step + 1):
                 loss = loss * float("nan")
             self.scaler.scale_loss(loss).backward()
@@ -185,16 +200,29 @@ class Trainer:
             _poison_one_gradient(params)
         self.scaler.unscale_(params)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        step = self.state.step + 1
+        self.checkpointer.wait_for_staging()
+        if self.skip_on_device:
+            finite_t = torch.isfinite(norm)
+            step_unless(self.optimizer, found_inf=(~finite_t).float())
+            self.unsettled.append((step, DeferredValue(finite_t)))
+        else:
+            finite = math.isfinite(float(norm))
+            if finite:
+                self.optimizer.step()
+            self.scaler.update(finite)
+            self._count(finite, step)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.update(finite)
-        self._count(finite, self.state.step + 1)
-        self.state.step += 1
+        self.state.step = step
         self.state.samples += self.global_batch
-        return loss_sum, grad_norm
+        return loss_sum, norm
+
+    def settle_skips(self) -> None:
+        """Count the skipped updates whose flags were left on the device."""
+        unsettled, self.unsettled = self.unsettled, []
+        for step, finite in unsettled:
+            self._count(bool(finite.get().item()), step)
 
     def _count(self, finite: bool, step: int) -> None:
         if finite:
@@ -227,19 +255,39 @@ class Trainer:
             indices = source.rank_indices(batch * self.global_batch, self.global_batch, self.env.world_size,
                                           self.env.rank, self.cfg.train.micro_batch, 0)
             inputs, targets = self.val_data.get_batch(indices, self.cfg.train.seq_len, self.cfg.train.seed)
-            total += cross_entropy(self.model(inputs.to(self.device)), targets.to(self.device))
+            total += self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device))
         self.model.train()
         return self.mean_across_ranks(total / self.cfg.train.eval_batches)
 
     def save(self) -> Path:
+        self.settle_skips()
+        self.published(self.checkpointer.wait())
+        started = time.perf_counter()
         if not params_finite(self.model, self.device):
             raise TrainingError(f"parameters are not finite at step {self.state.step}: refusing to write a checkpoint "
                                 "(the previous one is intact)")
         extra = {"scaler": self.scaler.state_dict()} if self.scaler.enabled else {}
         path = self.checkpointer.save(self.state.step, self.model, self.optimizer, {**asdict(self.state), **extra},
                                       self.cfg.model, config_hash(self.cfg))
-        log.info("checkpoint saved: %s", path)
+        seconds = time.perf_counter() - started
+        if self.checkpointer.async_save:
+            log.info("checkpoint started (%.1f s): %s", seconds, path)
+            return path
+        log.info("checkpoint saved in %.1f s: %s", seconds, path)
+        if self.env.is_main:
+            self.metrics.write({"step": self.state.step, "ckpt_save_s": seconds})
         return path
+
+    def published(self, finished: dict[str, Any] | None) -> None:
+        """Log an asynchronous save that has just been published."""
+        if finished is None:
+            return
+        log.info("checkpoint published %.1f s after it started; training blocked %.2f s staging it and %.2f s "
+                 "waiting for its writes: %s", finished["total_s"], finished["stage_s"], finished["wait_s"],
+                 finished["path"])
+        if self.env.is_main:
+            self.metrics.write({"step": finished["step"], "ckpt_save_s": finished["total_s"],
+                                "ckpt_stage_s": finished["stage_s"], "ckpt_wait_s": finished["wait_s"]})
 
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -269,7 +317,9 @@ class Trainer:
             if step % train.log_every == 0 or step == train.steps:
                 loss = self.mean_across_ranks(loss_t)
                 elapsed = time.perf_counter() - window_start
-                self.log_step(loss, grad_norm, window_steps, elapsed, (time.perf_counter() - started) / (step - start_step))
+                self.settle_skips()
+                self.published(self.checkpointer.poll(self.device))
+                self.log_step(loss, float(grad_norm), window_steps, elapsed, (time.perf_counter() - started) / (step - start_step))
                 window_start, window_steps = time.perf_counter(), 0
             if train.eval_every and step % train.eval_every == 0:
                 eval_loss = self.evaluate()
@@ -280,7 +330,8 @@ class Trainer:
                     self.wandb.log(record)
             signalled = self.stop.agreed(self.device)
             planned = step == train.stop_at_step
-            if step % train.ckpt_every == 0 or step == train.steps or signalled or planned:
+            periodic = train.ckpt_every and (step % train.ckpt_every == 0 or step == train.steps)
+            if periodic or signalled or planned:
                 last_ckpt = self.save()
             if signalled or planned:
                 reason = self.stop.reason if signalled else f"train.stop_at_step={step}"
@@ -307,6 +358,7 @@ class Trainer:
             "tokens_seen": self.state.samples * self.cfg.train.seq_len,
             "step_time_s": elapsed / steps,
             "mem_gb": memory_gb(self.device),
+            **reserved_memory_gb(self.device),
             "skipped_steps": self.state.skipped_steps,
             "restarts": self.state.restarts,
             "time": time.time(),
@@ -325,6 +377,8 @@ class Trainer:
                  mfu, record["mem_gb"], eta)
 
     def summary(self, loss: float, last_ckpt: Path | None, stopped: bool) -> dict[str, Any]:
+        self.settle_skips()
+        self.published(self.checkpointer.wait())
         records = [r for r in self.metrics.records() if "loss" in r] if self.env.is_main else []
         result = {
             "run_dir": str(self.run_dir),
@@ -355,6 +409,13 @@ def memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def reserved_memory_gb(device: torch.device) -> dict[str, float]:
+    """Peak memory held by the CUDA caching allocator (what the GPU has to have free); {} elsewhere."""
+    if device.type != "cuda":
+        return {}
+    return {"mem_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 def run(cfg: Config, prepare: bool = False) -> dict[str, Any]:

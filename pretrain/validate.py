@@ -41,14 +41,16 @@ def validate_train(cfg: Config, world_size: int) -> None:
     t, o = cfg.train, cfg.optim
     _positive({"train.steps": t.steps, "train.seq_len": t.seq_len, "train.global_batch": t.global_batch,
                "train.global_batch_tokens": t.global_batch_tokens, "train.micro_batch": t.micro_batch,
-               "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.ckpt_keep": t.ckpt_keep,
-               "train.eval_batches": t.eval_batches, "train.stop_at_step": t.stop_at_step, "train.max_bad_steps": t.max_bad_steps,
+               "train.log_every": t.log_every, "train.ckpt_keep": t.ckpt_keep, "train.stop_at_step": t.stop_at_step,
+               "train.eval_batches": t.eval_batches, "train.max_bad_steps": t.max_bad_steps,
                "optim.lr": o.lr, "optim.grad_clip": o.grad_clip, "optim.eps": o.eps})
     _positive({"train.collective_timeout_s": t.collective_timeout_s})
     if t.hang_timeout_s < 0:
         raise ConfigError(f"train.hang_timeout_s={t.hang_timeout_s}: must be 0 (off) or more")
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every}: must be 0 (no evaluation) or more")
+    if t.ckpt_every < 0:
+        raise ConfigError(f"train.ckpt_every={t.ckpt_every}: must be 0 (checkpoints only when stopped early) or more")
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps}: must be 0 or more")
     if not 0.0 <= o.min_lr_ratio <= 1.0:

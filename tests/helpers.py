@@ -22,6 +22,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_step_record(run_dir: Path) -> dict:
+    """The newest record of a training step (other records carry eval losses or checkpoint timings)."""
+    return [r for r in metrics(run_dir) if "loss" in r][-1]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
 

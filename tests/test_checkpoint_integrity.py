@@ -3,17 +3,15 @@ or truncated files, NaN losses and gradients."""
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from pretrain.checkpoint import complete_checkpoints, problems
-from tests.helpers import REPO, launch, losses, metrics
+from tests.helpers import REPO, last_step_record, launch, losses
 
 RUN = ("precision=fp32", "train.log_every=1", "train.eval_every=0")
 
@@ -81,7 +79,7 @@ def test_nan_steps_are_skipped_and_counted(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "step 3 skipped: non-finite loss or gradient" in result.stdout
     assert "step 6 skipped" in result.stdout
-    assert metrics(run_dir)[-1]["skipped_steps"] == 2
+    assert last_step_record(run_dir)["skipped_steps"] == 2
 
 
 def test_too_many_nan_steps_stop_the_run_with_finite_checkpoints(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import launch, losses, metrics
+from tests.helpers import last_step_record, launch, losses, metrics
 
 SHORT = ("train.steps=16", "train.log_every=4", "train.ckpt_every=8", "train.eval_every=8", "train.eval_batches=2")
 
@@ -26,7 +26,7 @@ def test_default_run_learns_and_reports(tmp_path):
     # The built-in corpus starts near ln(257) = 5.55 nats per byte; 60 steps take it well below.
     curve = losses(run_dir)
     assert curve[5] > 5.0 and curve[60] < 3.2, curve
-    record = metrics(run_dir)[-1]
+    record = last_step_record(run_dir)
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mem_gb"):
         assert key in record
     for written in ("config.yaml", "train.log", "metrics.jsonl", "data/builtin/meta.json"):

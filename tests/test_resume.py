@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import launch, losses, metrics
+from tests.helpers import last_step_record, launch, losses
 
 RUN = ("train.steps=20", "train.log_every=1", "train.ckpt_every=5", "train.eval_every=0", "precision=fp32")
 
@@ -24,7 +24,7 @@ def test_stopped_at_step_10_and_resumed_matches_uninterrupted(tmp_path):
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert resumed[step] == uninterrupted[step], step  # bit-identical on CPU
-    assert metrics(split)[-1]["restarts"] == 1
+    assert last_step_record(split)["restarts"] == 1
 
 
 def test_checkpoint_from_two_processes_loads_with_one_and_four(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, launch, losses, metrics, snapshot
+from tests.helpers import REPO, last_step_record, launch, losses
 from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -150,7 +150,7 @@ def assert_resumed_to_the_same_end(cluster: SlurmCluster, run_dir: Path, job: st
     assert any(r["State"] == "REQUEUED" for r in cluster.sacct(job) if r["JobID"] == job)
     assert "resumed from" in (run_dir / "train.log").read_text()
     assert losses(run_dir)[30] == pytest.approx(reference, abs=1e-6)
-    assert metrics(run_dir)[-1]["restarts"] >= 1
+    assert last_step_record(run_dir)["restarts"] >= 1
 
 
 def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, cluster_conf, tmp_path, uninterrupted_loss):

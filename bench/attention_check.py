@@ -1,0 +1,101 @@
+"""Check and time scaled_dot_product_attention's kernels on the model's attention shapes.
+
+    python bench/attention_check.py [--out bench/results]
+
+For the 1B (16 heads, seq 4096) and 8B (32 heads, seq 8192) shapes, causal, bf16, in the
+model's layout ([batch, seq, heads, 128] viewed as [batch, heads, seq, 128]): each backend's
+output and input gradients against the math backend in fp32 on upcast inputs
+(||x - ref|| / ||ref||; bf16 lands between 1e-3 and 1e-2), and forward+backward time with
+CUDA events (triton.testing.do_bench, median). Decides whether fsdp.attention=auto may prefer cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+SHAPES = {"1b": (2, 16, 4096, 128), "8b": (1, 32, 8192, 128)}
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def inputs(batch: int, heads: int, seq: int, head_dim: int) -> list[torch.Tensor]:
+    """Fresh random q, k, v in the model's layout, and an output gradient."""
+    made = [torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            for _ in range(4)]
+    for t in made[:3]:
+        t.requires_grad_(True)
+    return made
+
+
+def forward_backward(backend: SDPBackend, q, k, v, grad) -> list[torch.Tensor]:
+    with sdpa_kernel([backend]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+
+def reference(q, k, v, grad) -> list[torch.Tensor]:
+    up = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    return forward_backward(SDPBackend.MATH, *up, grad.float())
+
+
+def relative_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, float]:
+    names = ("out", "dq", "dk", "dv")
+    return {n: float((g.float() - r).norm() / r.norm()) for n, g, r in zip(names, got, ref)}
+
+
+def time_ms(backend: SDPBackend, q, k, v, grad) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(lambda: forward_backward(backend, q, k, v, grad), warmup=100, rep=500, return_mode="median")
+
+
+def check_shape(name: str, shape: tuple[int, int, int, int]) -> dict:
+    batch, heads, seq, head_dim = shape
+    flops = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2  # causal forward, backward = 2.5 x forward
+    result = {"shape": {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}, "backends": {}}
+    for backend_name, backend in BACKENDS.items():
+        q, k, v, grad = inputs(*shape)
+        try:
+            errors = relative_errors(forward_backward(backend, q, k, v, grad), reference(q, k, v, grad))
+            ms = time_ms(backend, q, k, v, grad)
+            entry = {"rel_error": errors, "ok": all(e < 2e-2 for e in errors.values()), "fwd_bwd_ms": ms,
+                     "tflops": flops / ms / 1e9}
+        except RuntimeError as err:
+            entry = {"ok": False, "error": str(err).splitlines()[0]}
+        result["backends"][backend_name] = entry
+        print(name, backend_name, entry, flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    result = {**common.stamp(), "shapes": {name: check_shape(name, shape) for name, shape in SHAPES.items()}}
+    rows = ["| shape | backend | fwd+bwd ms | TFLOP/s | max rel. error | ok |", "|---|---|---|---|---|---|"]
+    for name, shape in result["shapes"].items():
+        for backend, e in shape["backends"].items():
+            if "error" in e:
+                rows.append(f"| {name} | {backend} | - | - | {e['error']} | no |")
+            else:
+                rows.append(f"| {name} | {backend} | {e['fwd_bwd_ms']:.2f} | {e['tflops']:.0f} | "
+                            f"{max(e['rel_error'].values()):.1e} | {e['ok']} |")
+    common.write_result(args.out, "attention_check", result, "\n".join(rows))
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

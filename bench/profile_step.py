@@ -1,0 +1,130 @@
+"""Where one training step's GPU time goes, through the package's own Trainer.train_step.
+
+    python bench/profile_step.py [launcher overrides...] [--warmup 8] [--steps 3] [--name NAME]
+
+Builds the Trainer as `python -m pretrain.launch` would for one process (same config
+composition, model, parallelization, optimizer and data), runs --warmup steps (compilation),
+then profiles --steps steps with torch.profiler. Reports wall time per step, GPU kernel time
+per step by category (matmul, attention, fused elementwise, optimizer, copies, NCCL, ...),
+the GPU's idle share, and the 25 most expensive kernels. Writes NAME.json and NAME.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+# First match wins: kernel-name patterns to a category.
+CATEGORIES = [
+    ("attention", r"cudnn|fmha|flash|attention|sdpa"),
+    ("matmul", r"gemm|nvjet|xmma|cutlass|sm90_|sm80_|matmul|wgmma"),
+    ("optimizer", r"adam|fused_adamw|multi_tensor|foreach"),
+    ("nccl", r"nccl"),
+    ("triton (fused elementwise, norms, loss)", r"triton"),
+    ("copy / cast", r"memcpy|memset|copy|cast|cat|chunk|split|fill|to_copy"),
+]
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            return label
+    return "other"
+
+
+def build_trainer(overrides: list[str], run_dir: Path):
+    from pretrain import distributed, launch, local, logs, train
+
+    cfg = launch.compose(overrides + [f"hydra.run.dir={run_dir}"])
+    launch.check_run(cfg)
+    launch.write_run(cfg)
+    os.environ.update(local.rank_env(0, 1, distributed.free_port()))
+    env = distributed.detect()
+    device = distributed.device_for(env)
+    distributed.init_process_group(env, device)
+    logs.setup(run_dir, env.rank)
+    return train.Trainer(cfg, env, device), cfg
+
+
+def profile(trainer, warmup: int, steps: int):
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        trainer.train_step()
+    trainer.settle_skips()
+    sync()
+    # Kernels only: recording every CPU op would slow the host enough to starve the GPU.
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step()
+        trainer.settle_skips()
+        sync()
+        wall = time.perf_counter() - started
+    return prof, wall
+
+
+def kernel_times(prof) -> dict[str, float]:
+    """Self device time (ms) per kernel name, over the profiled steps."""
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us:
+            times[event.key] += device_us / 1000
+    return dict(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--name", default="profile")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
+    args = parser.parse_intermixed_args()
+    base = ["model=llama-1b", "data=synthetic", "precision=bf16", "fsdp.compile=true", "train.seq_len=4096",
+            "train.micro_batch=8", "train.global_batch=8", "train.eval_every=0", "train.ckpt_every=0",
+            "train.steps=1000", "local.nproc=1"]
+    keys = {o.split("=", 1)[0] for o in args.overrides}
+    overrides = [o for o in base if o.split("=", 1)[0] not in keys] + args.overrides
+    trainer, _ = build_trainer(overrides, args.runs / args.name)
+    prof, wall = profile(trainer, args.warmup, args.steps)
+    kernels = kernel_times(prof)
+    by_category: dict[str, float] = defaultdict(float)
+    for name, ms in kernels.items():
+        by_category[category(name)] += ms / args.steps
+    step_ms = wall * 1000 / args.steps
+    busy = sum(by_category.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    result = {**common.stamp(), "overrides": overrides, "steps": args.steps, "wall_ms_per_step": step_ms,
+              "gpu_kernel_ms_per_step": busy, "by_category_ms_per_step": dict(by_category),
+              "top_kernels_ms_per_step": [(n, ms / args.steps) for n, ms in top]}
+    rows = [f"wall {step_ms:.1f} ms/step; kernels {busy:.1f} ms/step (sum over streams; idle >= "
+            f"{max(step_ms - busy, 0):.1f} ms)", "", "| category | ms/step | share of wall |", "|---|---|---|"]
+    rows += [f"| {c} | {ms:.1f} | {ms / step_ms:.1%} |" for c, ms in sorted(by_category.items(), key=lambda kv: -kv[1])]
+    rows += ["", "| kernel | ms/step |", "|---|---|"]
+    rows += [f"| {n[:110]} | {ms / args.steps:.2f} |" for n, ms in top]
+    common.write_result(args.out, args.name, result, "\n".join(rows))
+    print("\n".join(rows[:14]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

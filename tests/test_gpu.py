@@ -1,0 +1,47 @@
+"""GPU-only checks of the fast paths (compiled loss, device-side step skipping, deferred reads).
+
+Skipped without CUDA. Throughput is measured by bench/, never here.
+"""
+
+import pytest
+import torch
+
+from pretrain.deferred import DeferredValue
+from pretrain.loss import build_loss
+from pretrain.models.llama import cross_entropy
+from pretrain.optim import skips_on_device, step_unless
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_compiled_loss_matches_eager_on_bf16_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 64, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 1000, (2, 64), device="cuda")
+    eager = cross_entropy(logits, targets)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    compiled = build_loss(compile=True)(logits, targets)
+    (compiled_grad,) = torch.autograd.grad(compiled, logits)
+    assert torch.allclose(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(compiled_grad.float(), eager_grad.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_fused_adamw_skips_on_device_when_found_inf():
+    param = torch.nn.Parameter(torch.randn(16, device="cuda"))
+    param.grad = torch.randn(16, device="cuda")
+    optimizer = torch.optim.AdamW([param], fused=True)
+    assert skips_on_device(optimizer)
+    before = param.detach().clone()
+    step_unless(optimizer, found_inf=torch.ones((), device="cuda"))
+    assert torch.equal(param.detach(), before)
+    assert optimizer.state[param]["step"].item() == 0
+    step_unless(optimizer, found_inf=torch.zeros((), device="cuda"))
+    assert not torch.equal(param.detach(), before)
+    assert optimizer.state[param]["step"].item() == 1
+
+
+def test_deferred_value_reads_what_the_device_computed():
+    value = torch.full((1,), 3.0, device="cuda") * 2
+    deferred = DeferredValue(value)
+    value.zero_()  # later device work must not change what was taken
+    assert deferred.get().item() == 6.0

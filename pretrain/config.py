@@ -142,9 +142,19 @@ class ClusterConfig:
     exclude: Optional[str] = None
     max_requeues: int = 10
     signal_delay_s: int = 120
+    # Memory of one GPU in GiB (nvidia-smi's MiB / 1024); null skips the launcher's memory check.
+    gpu_mem_gb: Optional[float] = None
     env: dict[str, str] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)
     container: Optional[ContainerConfig] = None
+
+
+@dataclass
+class PlanConfig:
+    # Submit even when the memory estimate (python -m pretrain.plan) says the run will not fit.
+    force: bool = False
+    # Model FLOP utilisation assumed for the time estimate, in the causal accounting (pretrain/flops.py).
+    mfu: float = 0.45
 
 
 @dataclass
@@ -158,6 +168,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     cluster: Optional[ClusterConfig] = None
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # With +cluster: print the sbatch script and submit nothing.
     dry_run: bool = False
     # With +cluster: write a standalone sbatch script to this path (for `sbatch` by hand) and submit nothing.

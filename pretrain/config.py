@@ -158,6 +158,23 @@ class PlanConfig:
 
 
 @dataclass
+class PreflightConfig:
+    # Check every device and the network at the start of each job, before training.
+    enabled: bool = True
+    # n of the n x n matrix product each rank checks and times (at least 64); null: 8192 on GPUs, 512 on CPUs.
+    matmul_size: Optional[int] = None
+    # Slowest acceptable matrix-product rate per device (TFLOP/s; bf16 on GPUs, fp32 on CPUs); null:
+    # 40% of the GPU's peak (pretrain/flops.py), no floor on CPUs or unknown GPUs.
+    min_tflops: Optional[float] = None
+    # Size of the all-reduce bandwidth test in MiB; null: 256 on GPUs, 16 on CPUs.
+    allreduce_mb: Optional[int] = None
+    # Slowest acceptable all-reduce bus bandwidth (GB/s, as nccl-tests reports it); null: no floor.
+    min_busbw_gbps: Optional[float] = None
+    # Under Slurm: requeue the job with the failing nodes excluded (at most cluster.max_requeues times).
+    exclude_and_requeue: bool = True
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -169,6 +186,7 @@ class Config:
     local: LocalConfig = field(default_factory=LocalConfig)
     cluster: Optional[ClusterConfig] = None
     plan: PlanConfig = field(default_factory=PlanConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     # With +cluster: print the sbatch script and submit nothing.
     dry_run: bool = False
     # With +cluster: write a standalone sbatch script to this path (for `sbatch` by hand) and submit nothing.

@@ -351,13 +351,6 @@ def _changes(before: Config, after: Config) -> list[str]:
 
 
 # ---- the check and the report ----------------------------------------------------------------
-def validate_plan(cfg: Config) -> None:
-    if not 0 < cfg.plan.mfu <= 1:
-        raise ConfigError(f"plan.mfu={cfg.plan.mfu}: must be above 0 and at most 1")
-    if cfg.cluster is not None and cfg.cluster.gpu_mem_gb is not None and cfg.cluster.gpu_mem_gb <= 0:
-        raise ConfigError(f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}: must be greater than 0 (or null to skip the check)")
-
-
 def gib(value: float) -> str:
     return f"{value / GIB:.2f}"
 
@@ -382,7 +375,6 @@ def check(cfg: Config) -> Estimate | None:
 
     Skipped (None) where the GPU memory is unknown: on CPUs, or a cluster without gpu_mem_gb.
     """
-    validate_plan(cfg)
     target = target_of(cfg)
     if target.memory_gib is None:
         return None
@@ -484,7 +476,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = launch.compose(argv)
         world, per_node, has_cuda = launch.world_of(cfg)
         validate.validate(cfg, world, per_node, has_cuda)
-        validate_plan(cfg)
         target = target_of(cfg)
         result = estimate(cfg, target)
     except ConfigError as err:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pretrain import preflight
 from pretrain.config import ClusterConfig, Config, ConfigError
 from pretrain.preemption import EXIT_STOPPED, REQUEUE_REQUEST
 
@@ -73,9 +74,10 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
 
 
 def teardown_lines(cluster: ClusterConfig) -> list[str]:
-    """Lines the batch script runs on the host after srun: requeue if training asked for it."""
+    """Lines the batch script runs on the host after srun: requeue if training asked for it (without
+    the nodes that failed the preflight check, if any did)."""
     limit = cluster.max_requeues
-    return [
+    return preflight.host_lines(limit) + [
         "# pretrain: requeue from the host (the training may run in a container without scontrol)",
         f'if [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
         f'  rm -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',

@@ -33,6 +33,23 @@ srun --unbuffered --output runs/slurm/%j_%t_log.out --error runs/slurm/%j_%t_log
 
 
 # teardown
+# pretrain: nodes that failed the preflight check: requeue without them
+if [ -s "$PRETRAIN_RUN_DIR/.exclude_nodes" ]; then
+  PRETRAIN_BAD_NODES=$(sort -u "$PRETRAIN_RUN_DIR/.exclude_nodes" | paste -sd, -)
+  rm -f "$PRETRAIN_RUN_DIR/.exclude_nodes" "$PRETRAIN_RUN_DIR/.requeue"
+  if [ "${SLURM_RESTART_COUNT:-0}" -lt 10 ]; then
+    PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)
+    case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; *) PRETRAIN_EXCLUDED=$PRETRAIN_EXCLUDED,$PRETRAIN_BAD_NODES ;; esac
+    echo "pretrain: preflight failed on $PRETRAIN_BAD_NODES: requeueing job $SLURM_JOB_ID with ExcNodeList=$PRETRAIN_EXCLUDED"
+    scontrol requeue "$SLURM_JOB_ID"
+    for attempt in 1 2 3 4 5; do
+      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$PRETRAIN_EXCLUDED" && break
+      sleep 1
+    done
+  else
+    echo "pretrain: not requeued after the preflight failure: cluster.max_requeues=10 reached" >&2
+  fi
+fi
 # pretrain: requeue from the host (the training may run in a container without scontrol)
 if [ -f "$PRETRAIN_RUN_DIR/.requeue" ]; then
   rm -f "$PRETRAIN_RUN_DIR/.requeue"

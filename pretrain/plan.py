@@ -12,8 +12,9 @@ that would (found by re-running the estimate over candidates), unless plan.force
 The memory model follows what the code keeps alive, per GPU, in bytes (P parameters, D ranks a
 parameter is sharded over, c bytes per value of the compute dtype, T tokens per micro-batch):
   held throughout     fp32 parameters 4P/D and AdamW's two moments 8P/D
-  forward/backward    the compute-dtype copies FSDP all-gathers (all of them when nothing is
-                      resharded after forward, else the output layer and two blocks), fp32
+  forward/backward    the compute-dtype copies FSDP all-gathers (all of them where nothing is
+                      resharded after forward: shard_grad_op, or one rank per shard; else the
+                      output layer, kept for backward, and two blocks), fp32
                       unsharded gradients 4P between the micro-batches of an accumulation,
                       every block's saved activations, and at the end of forward the logits
                       and loss buffers (eager cross-entropy: 12 TV bytes; compiled: 2 cTV)
@@ -41,6 +42,8 @@ FRAGMENTATION = 0.10
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Activation checkpointing modes from the most memory to the least.
 CHECKPOINTING_ORDER = ("none", "selective", "full")
+# fp32 d-wide vectors per token the compiled blocks keep around their norms (fitted to H200 peaks).
+COMPILED_NORM_FP32 = 3
 # Full checkpointing runs each block's forward twice: 8 instead of 6 FLOPs per parameter and token.
 FULL_RECOMPUTE_COST = 8 / 6
 
@@ -165,8 +168,9 @@ def block_activations(m: ModelConfig, c: int, checkpointing: str, compiled: bool
 
     selective saves matmul outputs, plus the attention kernel's outputs where the selective policy
     lists the kernel (the CUDA SDPA kernels; the CPU one is recomputed). Compiled without
-    checkpointing, the partitioner keeps about the same minus wq's input-side tensors it can
-    recompute: the block input, q, k, v, attention output and residual, w1 and w3 outputs.
+    checkpointing, the partitioner keeps the block input, q, k, v, the attention output and
+    residual, the w1 and w3 outputs, and (calibrated on H200 runs of the 125M, 1B and 8B shapes,
+    bench/results/memory-plan-vs-measured.md) about three fp32 d-wide vectors around the norms.
     """
     if checkpointing == "full":
         return c * m.dim
@@ -175,7 +179,7 @@ def block_activations(m: ModelConfig, c: int, checkpointing: str, compiled: bool
         return saved_matmul_outputs(m, c) + (attention_out if device == "cuda" else 0)
     if compiled:
         kv = m.kv_heads * (m.dim // m.n_heads)
-        return c * (3 * m.dim + 2 * kv + 2 * m.ffn_hidden) + attention_out + 8
+        return c * (3 * m.dim + 2 * kv + 2 * m.ffn_hidden) + attention_out + COMPILED_NORM_FP32 * 4 * m.dim
     return eager_block_activations(m, c)
 
 
@@ -251,8 +255,8 @@ def estimate(cfg: Config, target: Target) -> Estimate:
     final_norm = norm_activations(m, c) + c * m.dim
     forward_backward = [
         Part("gathered parameters", f"{target.precision} copies FSDP all-gathers ({which})", gathered),
-        Part("accumulated gradients", f"fp32, unsharded between {accumulation} micro-batches",
-             4 * params if accumulation > 1 else 0),
+        Part("accumulated gradients", f"fp32, unsharded between {accumulation} micro-batches" if accumulation > 1
+             else "none: one micro-batch per step", 4 * params if accumulation > 1 else 0),
         Part("activations", f"{m.n_layers} layers x {tokens:,} tokens, checkpointing {ac}"
              + (", compiled" if compiled else ""), (m.n_layers * per_block + final_norm) * tokens),
         turn_of_backward(m, c, tokens, ac, compiled, target.device),
@@ -285,10 +289,10 @@ class Suggestion:
     world: int
 
 
-def _variant(cfg: Config, checkpointing: str, strategy: str, nodes: int | None, micro_batch: int) -> Config:
+def _variant(cfg: Config, checkpointing: str, strategy: str, nodes: int | None) -> Config:
     fsdp = replace(cfg.fsdp, activation_checkpointing=checkpointing, strategy=strategy)
     cluster = replace(cfg.cluster, nodes=nodes) if cfg.cluster is not None and nodes is not None else cfg.cluster
-    return replace(cfg, fsdp=fsdp, cluster=cluster, train=replace(cfg.train, micro_batch=micro_batch))
+    return replace(cfg, fsdp=fsdp, cluster=cluster)
 
 
 def _retarget(target: Target, cfg: Config) -> Target:
@@ -302,7 +306,7 @@ def _retarget(target: Target, cfg: Config) -> Target:
 def micro_batches(cfg: Config, world: int) -> list[int]:
     """Micro-batches up to the configured one that divide each rank's share of the global batch, largest first."""
     per_rank = config.global_batch(cfg.train) // world
-    return [m for m in range(min(cfg.train.micro_batch, per_rank), 0, -1) if per_rank % m == 0 and per_rank >= m]
+    return [m for m in range(min(cfg.train.micro_batch, per_rank), 0, -1) if per_rank % m == 0]
 
 
 def suggestions(cfg: Config, target: Target, limit: int = 3) -> list[Suggestion]:
@@ -314,7 +318,7 @@ def suggestions(cfg: Config, target: Target, limit: int = 3) -> list[Suggestion]
     nodes = [None] if cfg.cluster is None else [cfg.cluster.nodes, 2 * cfg.cluster.nodes, 4 * cfg.cluster.nodes]
     found = []
     for checkpointing, strategy, node_count in itertools.product(stronger, strategies, nodes):
-        base = _variant(cfg, checkpointing, strategy, node_count, cfg.train.micro_batch)
+        base = _variant(cfg, checkpointing, strategy, node_count)
         base_target = _retarget(target, base)
         if config.global_batch(base.train) % base_target.world or not _valid(base, base_target):
             continue
@@ -344,7 +348,7 @@ def _valid(cfg: Config, target: Target) -> bool:
 
 def _changes(before: Config, after: Config) -> list[str]:
     pairs = [("fsdp.activation_checkpointing", before.fsdp.activation_checkpointing, after.fsdp.activation_checkpointing),
-             ("fsdp", before.fsdp.strategy, after.fsdp.strategy),
+             ("fsdp.strategy", before.fsdp.strategy, after.fsdp.strategy),
              ("cluster.nodes", before.cluster and before.cluster.nodes, after.cluster and after.cluster.nodes),
              ("train.micro_batch", before.train.micro_batch, after.train.micro_batch)]
     return [f"{key}={new}" for key, old, new in pairs if old != new]

@@ -9,6 +9,11 @@ manifest.json (the training state and the model shape) and renames the folder. A
 moment therefore leaves either the previous complete checkpoint or the new one, never a
 half-written folder that looks complete. DCP reshards on load, so a checkpoint written by N
 processes loads into any other number.
+
+The manifest lists every file of the checkpoint with its size and CRC32 (each rank digests the
+files it wrote). `verify` checks them before a load; the training start falls back to the
+previous checkpoint when the newest is damaged, and renames the damaged one aside (`.damaged`),
+never deleting it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from pretrain import faults
 from pretrain.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
+DAMAGED = ".damaged"
 # The model fields that decide the shapes of the saved tensors.
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
 
@@ -47,7 +55,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under root, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(PARTIAL)]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and "." not in p.name]
     return sorted((p for p in found if (p / MANIFEST).is_file()), key=lambda p: p.name)
 
 
@@ -99,13 +107,67 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    return {name: {"size": (folder / name).stat().st_size, "crc32": crc32_of(folder / name)} for name in names}
+
+
+def written_by(folder: Path, rank: int) -> list[str]:
+    """The files of a checkpoint folder that `rank` wrote: its DCP shards and its RNG state
+    (rank 0 also wrote DCP's .metadata)."""
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [f"rng/rank{rank}.pt"]
+    if rank == 0 and (folder / ".metadata").is_file():
+        names.append(".metadata")
+    return sorted(names)
+
+
+def problems(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with a checkpoint folder's files, checking every world_size-th file from rank."""
+    try:
+        files = read_manifest(path)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return [f"unreadable manifest ({err})"]
+    found = []
+    for name in sorted(files)[rank::world_size]:
+        file = path / name
+        if not file.is_file():
+            found.append(f"{name} is missing")
+        elif file.stat().st_size != files[name]["size"]:
+            found.append(f"{name} has {file.stat().st_size} bytes, not {files[name]['size']}")
+        elif crc32_of(file) != files[name]["crc32"]:
+            found.append(f"{name} fails its checksum")
+    return found
+
+
+def verify(path: Path) -> list[str]:
+    """Check a checkpoint's files, split across ranks; every rank gets the whole list of problems."""
+    mine = problems(path, dist.get_rank(), dist.get_world_size())
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    return [problem for part in gathered for problem in part]
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint so it is never loaded again but stays on disk for inspection."""
+    target = path.with_name(path.name + DAMAGED)
+    os.replace(path, target)
+    return target
+
+
 class Checkpointer:
     def __init__(self, root: Path, keep: int) -> None:
         self.root = root
         self.keep = keep
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-             model_cfg: ModelConfig) -> Path:
+             model_cfg: ModelConfig, config_hash: str) -> Path:
         """Write a checkpoint of everything needed to continue exactly; returns its folder."""
         final = self.root / step_dir_name(step)
         partial = final.with_name(final.name + PARTIAL)
@@ -117,21 +179,32 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
         torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
-        dist.barrier()
+        manifest = {"step": step, "world_size": dist.get_world_size(), "config_hash": config_hash,
+                    "model_shape": model_shape(model_cfg), "train_state": train_state}
+        self._finish(partial, final, manifest)
+        return final
+
+    def _finish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
+        """Once every rank has written: digest the files, write the manifest, publish by renaming."""
+        rank = dist.get_rank()
+        dist.barrier()  # DCP's .metadata is complete only now
+        files = digest(partial, written_by(partial, rank))
+        if faults.active("kill_in_save", manifest["step"]):
+            faults.kill_self()
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, files)
         if rank == 0:
-            self._publish(partial, final, {
-                "step": step,
-                "world_size": dist.get_world_size(),
-                "model_shape": model_shape(model_cfg),
-                "train_state": train_state,
-            })
+            manifest["files"] = {name: info for part in gathered for name, info in part.items()}
+            self._publish(partial, final, manifest)
             self._prune()
         dist.barrier()
-        return final
 
     def _publish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
         tmp = partial / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
+        with tmp.open("w") as f:
+            json.dump(manifest, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, partial / MANIFEST)
         if final.exists():  # the same step saved again (e.g. a preemption at a checkpoint step)
             shutil.rmtree(final)
@@ -151,5 +224,3 @@ class Checkpointer:
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return read_manifest(path)["train_state"]
-
-

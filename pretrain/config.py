@@ -99,6 +99,10 @@ class TrainConfig:
     # End this job after this step (with a checkpoint) while keeping the schedule of `steps`:
     # for splitting one run over several allocations. Rerun the same run directory to continue.
     stop_at_step: Optional[int] = None
+    # A step taking longer than this ends the job (a rank died or stalled); 0 disables the watchdog.
+    hang_timeout_s: float = 900.0
+    # Timeout of every collective (NCCL/gloo), also bounding the first step and checkpoint saves.
+    collective_timeout_s: float = 1800.0
     # Stop after this many consecutive steps with a non-finite loss or gradient.
     max_bad_steps: int = 5
 
@@ -107,6 +111,30 @@ class TrainConfig:
 class MetricsConfig:
     # Peak FLOP/s of one device for MFU; null looks it up from the GPU's name.
     peak_flops: Optional[float] = None
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    # disabled: W&B is never imported. online: falls back to offline, with a notice, when there is
+    # no API key or the server cannot be reached. offline: RUN/wandb/, uploaded by `pretrain.sync`.
+    # There is deliberately no api_key here: the key reaches jobs only through the environment
+    # (WANDB_API_KEY or ~/.netrc), never through a file a run writes.
+    mode: str = "disabled"
+    project: str = "pretrain"
+    entity: Optional[str] = None
+    # null: none for a single run; a sweep's runs are grouped under the sweep directory's name.
+    group: Optional[str] = None
+    # null: the run directory's name; a sweep point is named after the values it varies.
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -183,6 +211,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     cluster: Optional[ClusterConfig] = None
     plan: PlanConfig = field(default_factory=PlanConfig)

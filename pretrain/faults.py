@@ -1,33 +1,49 @@
-"""Fault injection, a testing hook: make a chosen node or rank misbehave so tests can see the job react.
+"""Fault injection for tests: inert unless PRETRAIN_FAULTS is set.
 
-    PRETRAIN_FAULTS="preflight_fail@n2"            the preflight matrix product on node n2 comes out wrong
-    PRETRAIN_FAULTS="preflight_fail@rank1,..."     ... on rank 1 (any node)
-
-A comma-separated list of FAULT@WHERE, WHERE being a node (Slurm's node name, else the hostname)
-or rankN. Unset or empty, nothing happens. The faults are injected into the real code path (the
-product is computed, then one entry changed), so what is tested is what runs.
+PRETRAIN_FAULTS is a comma-separated list of NAME@WHEN, e.g. "nan_loss@5,nan_grad@7-9,kill_in_save@4":
+  nan_loss@STEPS       the loss of those steps becomes NaN (every rank)
+  nan_grad@STEPS       one gradient element of those steps becomes NaN (rank 0)
+  kill_in_save@STEPS   the process kills itself (SIGKILL) after writing its shards of that step's
+                       checkpoint, before the checkpoint is published
+STEPS is N or A-B (inclusive). Faults of a node or rank name WHERE instead, a node (Slurm's node
+name, else the hostname) or rankN:
+  preflight_fail@WHERE the preflight check's matrix product there comes out wrong (one entry changed
+                       after it is computed, so the real check sees it)
+The tests use it to show what happens when things break.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+from functools import lru_cache
 
-ENV = "PRETRAIN_FAULTS"
-FAULTS = ("preflight_fail",)
 
-
-def parse(value: str) -> list[tuple[str, str]]:
-    """[(fault, where), ...]; ValueError for an unknown fault or a missing @WHERE."""
-    faults = []
-    for item in filter(None, (part.strip() for part in value.split(","))):
-        name, at, where = item.partition("@")
-        if name not in FAULTS or not at or not where:
-            raise ValueError(f"{ENV}={value!r}: {item!r} is not FAULT@NODE or FAULT@rankN with FAULT one of "
-                             f"{', '.join(FAULTS)}")
-        faults.append((name, where))
+@lru_cache(maxsize=8)
+def _parse(spec: str) -> dict[str, list[str]]:
+    faults: dict[str, list[str]] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, when = item.partition("@")
+        faults.setdefault(name, []).append(when)
     return faults
 
 
-def active(fault: str, node: str, rank: int) -> bool:
-    """Whether `fault` is to be injected on this node and rank."""
-    return any(name == fault and where in (node, f"rank{rank}") for name, where in parse(os.environ.get(ENV, "")))
+def _matches(when: str, step: int) -> bool:
+    low, _, high = when.partition("-")
+    return int(low) <= step <= int(high or low)
+
+
+def active(name: str, step: int) -> bool:
+    """Whether fault `name` is injected at `step`."""
+    whens = _parse(os.environ.get("PRETRAIN_FAULTS", "")).get(name, [])
+    return any(_matches(when, step) for when in whens)
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def active_on(name: str, node: str, rank: int) -> bool:
+    """Whether fault `name` is injected on this node or rank (NAME@NODE or NAME@rankN)."""
+    whens = _parse(os.environ.get("PRETRAIN_FAULTS", "")).get(name, [])
+    return node in whens or f"rank{rank}" in whens

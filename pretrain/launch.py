@@ -173,6 +173,8 @@ def parse_args(argv: list[str]) -> tuple[bool, bool, list[str]]:
 
 
 def sweep_points(overrides: list[str]) -> list[Composed]:
+    from pretrain.wandb_run import label_sweep_point
+
     points = expand_sweep(overrides)
     names = varying(points)
     first = compose_point(points[0])
@@ -181,6 +183,7 @@ def sweep_points(overrides: list[str]) -> list[Composed]:
         point_cfg = compose_point(point)
         point_cfg.run_dir = (first.sweep_dir / f"{index}_{dir_name(name)}").resolve()
         point_cfg.cfg.run_dir = str(point_cfg.run_dir)
+        label_sweep_point(point_cfg.cfg.logging.wandb, first.sweep_dir.name, name)
         composed.append(point_cfg)
     return composed
 

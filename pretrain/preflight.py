@@ -87,7 +87,7 @@ def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
     """The exact product, then MATMUL_ITERATIONS timed products."""
     a, b, expected = exact_product_operands(n, check_dtype(device), device, seed=1234 + rank)
     product = a @ b
-    if faults.active("preflight_fail", node_name(), rank):
+    if faults.active_on("preflight_fail", node_name(), rank):
         product[0, 0] += 1
     wrong = int((product != expected).sum())
     synchronize(device)
@@ -214,32 +214,25 @@ def passed_message(record: dict) -> str:
             f"{network}")
 
 
-def host_lines(max_requeues: int) -> list[str]:
-    """Batch-script lines, run on the host after srun: requeue the job without the nodes that failed.
+def requeue_without_lines() -> list[str]:
+    """The batch script's branch (on the host, after srun) for a run directory with EXCLUDE_NODES:
+    requeue the job (slurm.teardown_lines' pretrain_requeue) and add those nodes to its ExcNodeList.
 
     Slurm refuses to change the exclusions of a running job, so the order is requeue, then update:
-    the requeued job is completing, and this script outlives the SIGTERM the requeue sends (the
-    setup lines trap it) for the cluster's KillWait, long enough for `scontrol update`.
+    the requeued job is completing, and the batch script outlives the SIGTERM the requeue sends
+    (the setup lines trap it) for the cluster's KillWait, long enough for `scontrol update`.
     """
     path = f'"$PRETRAIN_RUN_DIR/{EXCLUDE_NODES}"'
     return [
-        "# pretrain: nodes that failed the preflight check: requeue without them",
-        f"if [ -s {path} ]; then",
         f"  PRETRAIN_BAD_NODES=$(sort -u {path} | paste -sd, -)",
         f'  rm -f {path} "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
-        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
-        '    PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)',
-        '    case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; '
+        '  PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)',
+        '  case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; '
         '*) PRETRAIN_EXCLUDED=$PRETRAIN_EXCLUDED,$PRETRAIN_BAD_NODES ;; esac',
-        '    echo "pretrain: preflight failed on $PRETRAIN_BAD_NODES: requeueing job $SLURM_JOB_ID with '
-        'ExcNodeList=$PRETRAIN_EXCLUDED"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
+        '  if pretrain_requeue "preflight failed on $PRETRAIN_BAD_NODES, now excluded: ExcNodeList=$PRETRAIN_EXCLUDED"; then',
         "    for attempt in 1 2 3 4 5; do",
         '      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$PRETRAIN_EXCLUDED" && break',
         "      sleep 1",
         "    done",
-        "  else",
-        f'    echo "pretrain: not requeued after the preflight failure: cluster.max_requeues={max_requeues} reached" >&2',
         "  fi",
-        "fi",
     ]

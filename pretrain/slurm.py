@@ -26,6 +26,7 @@ from typing import Any
 from pretrain import preflight
 from pretrain.config import ClusterConfig, Config, ConfigError
 from pretrain.preemption import EXIT_STOPPED, REQUEUE_REQUEST
+from pretrain.watchdog import EXIT_HUNG
 
 # sbatch's --signal names the signal submitit's job environment listens on; ours listens too.
 SUBMITIT_SIGNAL = "USR2"
@@ -38,9 +39,16 @@ class TrainTask:
         self.run_dir = run_dir
 
     def __call__(self) -> int:
+        import torch.distributed as dist
+
         from pretrain import train
 
-        code = train.main([self.run_dir])
+        try:
+            code = train.main([self.run_dir])
+        except dist.DistError as err:
+            # A peer died or a collective timed out: exit with the code the batch script requeues on.
+            print(f"pretrain: collective failed: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_HUNG) from None
         if code not in (0, EXIT_STOPPED):
             raise RuntimeError(f"training in {self.run_dir} failed with exit code {code}; see its train.log")
         return code
@@ -65,7 +73,7 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
     lines = [
         *run_dir_definition,
         "# Preemption also signals this script: carry on to the requeue check below once srun returns.",
-        "trap 'echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
+        "trap 'PRETRAIN_GOT_TERM=1; echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
     ]
     lines += [f"export {key}={shlex.quote(str(value))}" for key, value in cluster.env.items()]
     if cluster.setup:
@@ -74,21 +82,33 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
 
 
 def teardown_lines(cluster: ClusterConfig) -> list[str]:
-    """Lines the batch script runs on the host after srun: requeue if training asked for it (without
-    the nodes that failed the preflight check, if any did)."""
+    """Lines the batch script runs on the host after srun: requeue if training asked for it, or if a
+    rank crashed, hung or lost a collective (exit codes other than 0, 1 and 2: 1 and 2 are errors
+    that a rerun would repeat, such as a bad config or a diverged loss), or without the nodes that
+    failed the preflight check, if any did."""
     limit = cluster.max_requeues
-    return preflight.host_lines(limit) + [
+    return [
+        "pretrain_srun_status=$?",
         "# pretrain: requeue from the host (the training may run in a container without scontrol)",
-        f'if [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
-        f'  rm -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
+        "pretrain_requeue() {",
         f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {limit} ]; then',
-        f'    echo "pretrain: requeueing job $SLURM_JOB_ID (restart $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) of at most {limit})"',
+        f'    echo "pretrain: requeueing job $SLURM_JOB_ID ($1; restart $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) of at most {limit})"',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "  else",
-        f'    echo "pretrain: not requeued: cluster.max_requeues={limit} reached; submit the same run directory again '
-        'to continue" >&2',
+        f'    echo "pretrain: not requeued ($1): cluster.max_requeues={limit} reached; submit the same run directory '
+        'again to continue" >&2',
+        "    return 1",
         "  fi",
+        "}",
+        f'if [ -s "$PRETRAIN_RUN_DIR/{preflight.EXCLUDE_NODES}" ]; then',
+        *preflight.requeue_without_lines(),
+        f'elif [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
+        f'  rm -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
+        '  pretrain_requeue "stopped with a checkpoint before the time limit"',
+        'elif [ -z "${PRETRAIN_GOT_TERM:-}" ] && [ "$pretrain_srun_status" -gt 2 ]; then',
+        '  pretrain_requeue "a task failed with exit code $pretrain_srun_status"',
         "fi",
+        'exit "$pretrain_srun_status"',
     ]
 
 

@@ -7,6 +7,8 @@ Run by every process of a job:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import sys
@@ -18,14 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, config, distributed, flops, logs, precision, preflight
+from pretrain import checkpoint, config, distributed, faults, flops, logs, precision, preflight
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import Config
 from pretrain import run_data as source
 from pretrain.models.llama import Transformer, cross_entropy
 from pretrain.optim import build_optimizer, lr_factor, set_lr
 from pretrain.parallelize import build_mesh, parallelize
+from pretrain.watchdog import StepWatchdog
 from pretrain import preemption
+from pretrain.wandb_run import WandbRun
 
 log = logging.getLogger("pretrain")
 
@@ -61,6 +65,11 @@ def build_model(cfg: Config, device: torch.device, mesh) -> torch.nn.Module:
         model.init_weights()
     model.to(device)  # non-persistent buffers (RoPE) of the fully-initialised path
     return model
+
+
+def config_hash(cfg: Config) -> str:
+    """A short fingerprint of the resolved config, recorded in each checkpoint's manifest."""
+    return hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def local_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -102,6 +111,7 @@ class Trainer:
         self.val_data = source.open_val(cfg)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.train.ckpt_keep)
         self.metrics = logs.MetricsFile(self.run_dir / "metrics.jsonl")
+        self.wandb = WandbRun(cfg, env.is_main)
         self.state = TrainState()
         self.flops_per_token = {name: flops.flops_per_token(cfg.model, cfg.train.seq_len, name)
                                 for name in flops.ACCOUNTINGS}
@@ -116,24 +126,35 @@ class Trainer:
 
     # ---- resume -------------------------------------------------------------------------------
     def resume(self) -> Path | None:
+        """Load the newest intact checkpoint; damaged ones are reported, set aside and skipped."""
         root = self.run_dir / "checkpoints"
         if self.env.is_main:
             checkpoint.remove_partials(root)
             preemption.clear_requeue_request(self.run_dir)
         dist.barrier()
-        path = checkpoint.latest_checkpoint(root)
-        if path is None:
-            return None
-        checkpoint.check_compatible(path, self.cfg.model)
-        saved = self.checkpointer.load(path, self.model, self.optimizer)
-        self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
-        self.state.restarts += 1
-        if "scaler" in saved:
-            self.scaler.load_state_dict(saved["scaler"])
+        for path in reversed(checkpoint.complete_checkpoints(root)):
+            damage = checkpoint.verify(path)
+            if damage:
+                self._set_aside(path, damage)
+                continue
+            checkpoint.check_compatible(path, self.cfg.model)
+            saved = self.checkpointer.load(path, self.model, self.optimizer)
+            self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
+            self.state.restarts += 1
+            if "scaler" in saved:
+                self.scaler.load_state_dict(saved["scaler"])
+            if self.env.is_main:
+                self.metrics.truncate_after(self.state.step)
+            log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples)
+            return path
+        return None
+
+    def _set_aside(self, path: Path, damage: list[str]) -> None:
         if self.env.is_main:
-            self.metrics.truncate_after(self.state.step)
-        log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples)
-        return path
+            aside = checkpoint.set_aside(path)
+            log.warning("checkpoint %s is damaged (%s); it is kept as %s and the previous one is used", path,
+                        "; ".join(damage[:3]) + (f"; and {len(damage) - 3} more" if len(damage) > 3 else ""), aside)
+        dist.barrier()
 
     # ---- one step -----------------------------------------------------------------------------
     def _batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +179,13 @@ class Trainer:
             inputs, targets = self._batch(micro)
             self.model.set_requires_gradient_sync(micro == self.accum - 1)
             loss = cross_entropy(self.model(inputs), targets) / self.accum
+            if faults.active("nan_loss", self.state.step + 1):
+                loss = loss * float("nan")
             self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
         params = local_params(self.model)
+        if faults.active("nan_grad", self.state.step + 1) and self.env.is_main:
+            _poison_one_gradient(params)
         self.scaler.unscale_(params)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -169,24 +194,24 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(finite)
-        self._count(finite)
+        self._count(finite, self.state.step + 1)
         self.state.step += 1
         self.state.samples += self.global_batch
         return loss_sum, grad_norm
 
-    def _count(self, finite: bool) -> None:
+    def _count(self, finite: bool, step: int) -> None:
         if finite:
             self.state.bad_in_a_row = 0
             return
         self.state.skipped_steps += 1
         self.state.bad_in_a_row += 1
         what = "gradient overflow (fp16), loss scale lowered" if self.scaler.enabled else "non-finite loss or gradient"
-        log.warning("step %d skipped: %s (%d in a row, %d in all)", self.state.step + 1, what,
+        log.warning("step %d skipped: %s (%d in a row, %d in all)", step, what,
                     self.state.bad_in_a_row, self.state.skipped_steps)
         if self.state.bad_in_a_row >= self.cfg.train.max_bad_steps and not self.scaler.enabled:
             raise TrainingError(
                 f"{self.state.bad_in_a_row} steps in a row had a non-finite loss or gradient "
-                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); training stopped at step {self.state.step}. "
+                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); training stopped at step {step}. "
                 "Lower optim.lr, raise optim.warmup_steps or check the data; the last checkpoint is intact."
             )
 
@@ -215,22 +240,33 @@ class Trainer:
                                 "(the previous one is intact)")
         extra = {"scaler": self.scaler.state_dict()} if self.scaler.enabled else {}
         path = self.checkpointer.save(self.state.step, self.model, self.optimizer, {**asdict(self.state), **extra},
-                                      self.cfg.model)
+                                      self.cfg.model, config_hash(self.cfg))
         log.info("checkpoint saved: %s", path)
         return path
 
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         resumed = self.resume()
+        self.wandb.start(self.state.restarts)
         train = self.cfg.train
         log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s, "
                  "fsdp %s", self.cfg.model.name, f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size,
                  self.accum, train.micro_batch, self.precision, self.cfg.fsdp.strategy)
-        last_ckpt = resumed
+        watchdog = StepWatchdog(train.hang_timeout_s)
+        try:
+            return self._loop(resumed, watchdog)
+        finally:
+            watchdog.stop()
+
+    def _loop(self, last_ckpt: Path | None, watchdog: StepWatchdog) -> dict[str, Any]:
+        train = self.cfg.train
         window_start, window_steps, loss = time.perf_counter(), 0, float("nan")
         started, start_step = time.perf_counter(), self.state.step
         while self.state.step < train.steps:
             loss_t, grad_norm = self.train_step()
+            if self.state.step == start_step + 1:
+                watchdog.start()  # after the first step: compile and warm-up are bounded by the collective timeout
+            watchdog.beat(self.state.step)
             window_steps += 1
             step = self.state.step
             if step % train.log_every == 0 or step == train.steps:
@@ -242,7 +278,9 @@ class Trainer:
                 eval_loss = self.evaluate()
                 if eval_loss is not None and self.env.is_main:
                     log.info("step %d | eval loss %.4f", step, eval_loss)
-                    self.metrics.write({"step": step, "eval_loss": eval_loss})
+                    record = {"step": step, "eval_loss": eval_loss}
+                    self.metrics.write(record)
+                    self.wandb.log(record)
             signalled = self.stop.agreed(self.device)
             planned = step == train.stop_at_step
             if step % train.ckpt_every == 0 or step == train.steps or signalled or planned:
@@ -282,6 +320,7 @@ class Trainer:
         if self.scaler.enabled:
             record["loss_scale"] = self.scaler.scale
         self.metrics.write(record)
+        self.wandb.log(record)
         eta = logs.human_duration(step_time * (self.cfg.train.steps - self.state.step))
         mfu = f"{record['mfu']:.1%}" if "mfu" in record else "-"
         log.info("step %d/%d | loss %.4f | lr %.2e | grad %.2f | %s tok/s | mfu %s | mem %.1f GB | eta %s",
@@ -307,6 +346,12 @@ class Trainer:
         return result
 
 
+def _poison_one_gradient(params: list[torch.nn.Parameter]) -> None:
+    grad = next(p.grad for p in params if p.grad is not None)
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    local.view(-1)[0] = float("nan")
+
+
 def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -329,10 +374,12 @@ def run(cfg: Config, prepare: bool = False) -> dict[str, Any]:
         launch.check_run(cfg)
         if env.is_main:
             launch.write_run(cfg)
-    distributed.init_process_group(env, device)
+    distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     try:
-        return Trainer(cfg, env, device).fit()
+        trainer = Trainer(cfg, env, device)
+        with trainer.wandb:
+            return trainer.fit()
     finally:
         dist.destroy_process_group()
 

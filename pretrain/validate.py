@@ -7,8 +7,9 @@ and where useful what would work.
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 
-from pretrain import config
+from pretrain import config, redaction
 from pretrain.config import ClusterConfig, Config, ConfigError
 
 
@@ -43,6 +44,9 @@ def validate_train(cfg: Config, world_size: int) -> None:
                "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.ckpt_keep": t.ckpt_keep,
                "train.eval_batches": t.eval_batches, "train.stop_at_step": t.stop_at_step, "train.max_bad_steps": t.max_bad_steps,
                "optim.lr": o.lr, "optim.grad_clip": o.grad_clip, "optim.eps": o.eps})
+    _positive({"train.collective_timeout_s": t.collective_timeout_s})
+    if t.hang_timeout_s < 0:
+        raise ConfigError(f"train.hang_timeout_s={t.hang_timeout_s}: must be 0 (off) or more")
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every}: must be 0 (no evaluation) or more")
     if o.warmup_steps < 0:
@@ -114,6 +118,18 @@ def validate_plan_and_preflight(cfg: Config) -> None:
         raise ConfigError(f"preflight.matmul_size={p.matmul_size}: must be at least 64")
 
 
+def validate_logging(cfg: Config) -> None:
+    _one_of("logging.wandb.mode", cfg.logging.wandb.mode, config.WANDB_MODES)
+
+
+def validate_no_secrets(cfg: Config) -> None:
+    """The config is saved with the run and goes into job scripts: a secret there would leak."""
+    found = redaction.find_in_config(asdict(cfg))
+    if found:
+        raise ConfigError(f"{found[0]} holds a secret; keep keys and tokens out of the config, in your environment "
+                          "(e.g. export WANDB_API_KEY=...), where jobs get them from")
+
+
 def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
     """Raise ConfigError for the first setting that cannot work on `world_size` ranks."""
     _positive({"local.nproc": cfg.local.nproc})
@@ -124,3 +140,5 @@ def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool
     validate_parallel(cfg, world_size, local_world_size)
     validate_precision(cfg, has_cuda)
     validate_plan_and_preflight(cfg)
+    validate_logging(cfg)
+    validate_no_secrets(cfg)

@@ -31,3 +31,19 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     if not root.exists():
         return {}
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def processes_with_env(**wanted: str) -> list[int]:
+    """PIDs of this machine's processes whose environment has all the given variables and values."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+        if all(env.get(k) == v for k, v in wanted.items()):
+            pids.append(int(entry.name))
+    return pids

@@ -27,21 +27,23 @@ def test_the_check_product_is_exact_in_any_dtype(dtype):
     assert int(expected.abs().max()) > 1 and b.abs().sum() > 300  # a real sum, not a bare permutation
 
 
-def test_faults_are_inert_unless_named(monkeypatch):
-    monkeypatch.delenv(faults.ENV, raising=False)
-    assert not faults.active("preflight_fail", "n2", 1)
-    monkeypatch.setenv(faults.ENV, "preflight_fail@n2,preflight_fail@rank5")
-    assert faults.active("preflight_fail", "n2", 0) and faults.active("preflight_fail", "n1", 5)
-    assert not faults.active("preflight_fail", "n1", 0)
-    monkeypatch.setenv(faults.ENV, "preflight_fial@n2")
-    with pytest.raises(ValueError, match="preflight_fial@n2"):
-        faults.active("preflight_fail", "n1", 0)
+def test_node_faults_are_inert_unless_named(monkeypatch):
+    monkeypatch.delenv("PRETRAIN_FAULTS", raising=False)
+    assert not faults.active_on("preflight_fail", "n2", 1)
+    monkeypatch.setenv("PRETRAIN_FAULTS", "nan_loss@3,preflight_fail@n2,preflight_fail@rank5")
+    assert faults.active_on("preflight_fail", "n2", 0) and faults.active_on("preflight_fail", "n1", 5)
+    assert not faults.active_on("preflight_fail", "n1", 0) and not faults.active_on("nan_loss", "n1", 3)
+    assert faults.active("nan_loss", 3)  # the step faults read the same variable
 
 
-def test_host_lines_are_valid_shell():
-    script = "\n".join(preflight.host_lines(3))
+def test_the_batch_script_requeues_then_excludes():
+    from pretrain.config import ClusterConfig
+    from pretrain.slurm import teardown_lines
+
+    script = "\n".join(teardown_lines(ClusterConfig(name="x", max_requeues=3)))
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-    assert script.index('scontrol requeue "$SLURM_JOB_ID"') < script.index("scontrol update JobId=")
+    branch = script[script.index(f'if [ -s "$PRETRAIN_RUN_DIR/{preflight.EXCLUDE_NODES}" ]'):]
+    assert branch.index("pretrain_requeue") < branch.index('scontrol update JobId="$SLURM_JOB_ID" ExcNodeList=')
 
 
 def test_two_ranks_pass_and_the_result_is_logged(tmp_path):
@@ -68,7 +70,7 @@ def failed_run(tmp_path, *overrides: str, env: dict | None = None) -> tuple[str,
 
 
 def test_a_wrong_product_on_one_rank_ends_the_run_naming_host_and_rank(tmp_path):
-    line, record = failed_run(tmp_path, env={faults.ENV: "preflight_fail@rank1"})
+    line, record = failed_run(tmp_path, env={"PRETRAIN_FAULTS": "preflight_fail@rank1"})
     assert line == (f"error: preflight failed on {socket.gethostname()} (rank 1: the matrix product was wrong in "
                     f"1 of 65,536 entries)")
     assert record["preflight"] == "failed" and [r["wrong"] for r in record["ranks"]] == [0, 1]
@@ -101,7 +103,7 @@ def test_a_node_failing_preflight_is_excluded_and_the_job_requeued(slurm_cluster
         run_dir = tmp_path / "run"
         result = submit(slurm_cluster, conf, "train.steps=4", "train.micro_batch=4", "train.log_every=1",
                         "train.eval_every=0", "precision=fp32", "preflight.matmul_size=256",
-                        f"hydra.run.dir={run_dir}", env={faults.ENV: "preflight_fail@n2"})
+                        f"hydra.run.dir={run_dir}", env={"PRETRAIN_FAULTS": "preflight_fail@n2"})
         assert result.returncode == 0, result.stderr + result.stdout
         job = job_id_of(run_dir)
         info = wait_for(lambda: excluded_and_waiting(slurm_cluster, job), timeout=180, what=f"job {job} requeued")
@@ -118,7 +120,8 @@ def test_a_node_failing_preflight_is_excluded_and_the_job_requeued(slurm_cluster
     outcomes = [r["preflight"] for r in metrics(run_dir) if "preflight" in r]
     assert outcomes == ["failed", "passed"] and max(losses(run_dir)) == 4
     batch_out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-    assert f"pretrain: preflight failed on n2: requeueing job {job} with ExcNodeList=n2" in batch_out
+    assert (f"pretrain: requeueing job {job} (preflight failed on n2, now excluded: ExcNodeList=n2; restart 1 of "
+            "at most 10)") in batch_out
     assert not (run_dir / preflight.EXCLUDE_NODES).exists()
 
 

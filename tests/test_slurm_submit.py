@@ -163,7 +163,7 @@ def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, cluster_conf, tm
     out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert "the job will be requeued" in out
     batch_out = "".join(p.read_text() for p in (run_dir / "slurm").glob(f"{job}_0_log.out"))
-    assert f"pretrain: requeueing job {job} (restart 1 of at most 10)" in batch_out
+    assert f"pretrain: requeueing job {job} (stopped with a checkpoint before the time limit; restart 1 of at most 10)" in batch_out
 
 
 def test_scontrol_requeue_resumes(slurm_cluster, cluster_conf, tmp_path, uninterrupted_loss):
@@ -213,3 +213,40 @@ def test_requeue_works_with_scontrol_hidden_in_a_container(slurm_cluster, tmp_pa
     assert all(str(run_dir) in c["binds"] for c in calls)
     assert {c["env"]["SLURM_PROCID"] for c in calls} == {"0", "1", "2", "3"}
     assert all(c["env"]["PRETRAIN_RUN_DIR"] == str(run_dir) for c in calls)
+
+
+def test_killed_node_ends_the_job_which_is_requeued_and_resumes(slurm_cluster, cluster_conf, tmp_path,
+                                                              uninterrupted_loss):
+    from tests.helpers import processes_with_env
+
+    run_dir = tmp_path / "run"
+    assert submit(slurm_cluster, cluster_conf, *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    job = job_id_of(run_dir)
+    wait_for_step(run_dir, 12)
+    # Every process of node n2's tasks (ranks 2 and 3), as if the node had died.
+    victims = processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME="n2", SLURM_RESTART_COUNT="0") or \
+        processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME="n2")
+    victims = [p for p in victims if "python" in open(f"/proc/{p}/cmdline").read()]
+    assert victims
+    for pid in victims:
+        os.kill(pid, 9)
+    assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
+    batch_out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert "a task failed with exit code" in batch_out
+
+
+def test_wandb_key_reaches_the_job_only_through_the_environment(slurm_cluster, cluster_conf, tmp_path):
+    """A Slurm job logging to W&B (offline: no network here) with a marker key: the key is in nothing it wrote."""
+    from tests.test_wandb import MARKER
+
+    run_dir = tmp_path / "run"
+    result = submit(slurm_cluster, cluster_conf, "train.steps=4", *TRAIN, "logging.wandb.mode=online",
+                    f"hydra.run.dir={run_dir}", env={"WANDB_API_KEY": MARKER, "WANDB_BASE_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 0, result.stderr
+    job = job_id_of(run_dir)
+    assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", slurm_cluster.describe_job(job)
+    assert "logging offline" in (run_dir / "train.log").read_text().lower()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in written)
+    assert [p for p in written if MARKER.encode() in p.read_bytes()] == []
+    assert MARKER not in result.stdout + result.stderr

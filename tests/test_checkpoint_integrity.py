@@ -1,0 +1,100 @@
+"""Checkpoints survive crashes and damage: kill -9 at random moments (during saves too), corrupted
+or truncated files, NaN losses and gradients."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pretrain.checkpoint import complete_checkpoints, problems
+from tests.helpers import REPO, launch, losses, metrics
+
+RUN = ("precision=fp32", "train.log_every=1", "train.eval_every=0")
+
+
+def assert_every_complete_checkpoint_is_intact(root) -> None:
+    for path in complete_checkpoints(root):
+        assert problems(path) == [], path
+
+
+def test_kill_9_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "pretrain.launch", *RUN, "train.steps=40", "train.ckpt_every=2",
+            "train.ckpt_keep=3", f"hydra.run.dir={run_dir}"]
+    rng = random.Random(7)
+    kills_in_save = 0
+    for attempt in range(12):
+        done = max(losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
+        env = None
+        if attempt % 4 == 3:  # a kill in the middle of a save: shards written, not yet published
+            env = {"PRETRAIN_FAULTS": f"kill_in_save@{done - done % 2 + 4}"}
+            kills_in_save += 1
+        import os
+
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
+        try:
+            proc.wait(timeout=rng.uniform(4.0, 9.0))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        assert_every_complete_checkpoint_is_intact(run_dir / "checkpoints")
+    assert kills_in_save == 3
+    final = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr
+    assert sorted(losses(run_dir)) == list(range(1, 41))
+    assert_every_complete_checkpoint_is_intact(run_dir / "checkpoints")
+    assert not list((run_dir / "checkpoints").glob("*.partial"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
+    whole, run_dir = tmp_path / "whole", tmp_path / "run"
+    assert launch(*RUN, "train.steps=15", "train.ckpt_every=5", f"hydra.run.dir={whole}").returncode == 0
+    first = launch(*RUN, "train.steps=15", "train.ckpt_every=5", "train.stop_at_step=10", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr
+    shard = next((run_dir / "checkpoints" / "step_00000010").glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(data)
+    result = launch(*RUN, "train.steps=15", "train.ckpt_every=5", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    assert "step_00000010 is damaged" in result.stdout and "previous one is used" in result.stdout
+    assert "resumed from" in result.stdout and "step_00000005" in result.stdout
+    assert (run_dir / "checkpoints" / "step_00000010.damaged").is_dir()  # kept, not deleted
+    assert losses(run_dir)[15] == losses(whole)[15]
+
+
+def test_nan_steps_are_skipped_and_counted(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch(*RUN, "train.steps=8", f"hydra.run.dir={run_dir}",
+                    env={"PRETRAIN_FAULTS": "nan_loss@3,nan_grad@6"})
+    assert result.returncode == 0, result.stderr
+    assert "step 3 skipped: non-finite loss or gradient" in result.stdout
+    assert "step 6 skipped" in result.stdout
+    assert metrics(run_dir)[-1]["skipped_steps"] == 2
+
+
+def test_too_many_nan_steps_stop_the_run_with_finite_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch(*RUN, "train.steps=20", "train.ckpt_every=2", "train.max_bad_steps=3", f"hydra.run.dir={run_dir}",
+                    env={"PRETRAIN_FAULTS": "nan_loss@5-20"})
+    assert result.returncode == 1
+    message = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert message == ["error: 3 steps in a row had a non-finite loss or gradient (train.max_bad_steps=3); training "
+                       "stopped at step 7. Lower optim.lr, raise optim.warmup_steps or check the data; the last "
+                       "checkpoint is intact."]
+    # The checkpoints written while steps were being skipped hold the last good weights: resuming trains on.
+    resumed = launch(*RUN, "train.steps=10", "train.ckpt_every=2", f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    curve = losses(run_dir)
+    assert all(curve[step] == curve[step] for step in range(8, 11))  # finite, not NaN

@@ -1,0 +1,73 @@
+"""Fault injection on local multi-process runs: a rank that dies or stalls ends the run quickly, and a
+rerun resumes from the last complete checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.helpers import REPO, losses, processes_with_env
+
+RUN = ("local.nproc=2", "precision=fp32", "train.steps=40", "train.log_every=1", "train.ckpt_every=5",
+       "train.eval_every=0")
+
+
+def start(run_dir, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pretrain.launch", *RUN, *extra, f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and any(s >= step for s in losses(run_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise TimeoutError(f"no step {step} in {run_dir}")
+
+
+def rank_pid(run_dir, rank: int) -> int:
+    pids = [p for p in processes_with_env(RANK=str(rank), WORLD_SIZE="2")
+            if str(run_dir) in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir)
+    wait_for_step(run_dir, 12, proc)
+    killed_at = time.monotonic()
+    os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed_at < 30
+    assert "rank 1 exited with code -9" in err and str(run_dir / "logs" / "rank1.log") in err
+    rerun = subprocess.run([sys.executable, "-m", "pretrain.launch", *RUN, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed from" in rerun.stdout
+    assert sorted(losses(run_dir)) == list(range(1, 41))
+
+
+def test_stalled_rank_is_caught_by_the_watchdog(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "train.hang_timeout_s=5")
+    wait_for_step(run_dir, 8, proc)
+    stalled = rank_pid(run_dir, 1)
+    os.kill(stalled, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        try:
+            os.kill(stalled, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert time.monotonic() - stopped_at < 60
+    assert "rank 0 exited with code 124" in err
+    assert "no training step completed for" in out + err

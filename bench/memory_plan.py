@@ -137,7 +137,8 @@ def compare(paths: list[Path], out_dir: Path) -> Path:
         reserved = f"{r['reserved_gib']:.2f}" if r.get("reserved_gib") else "-"
         lines.append(f"| {r['name']} | {r['world_size']} x {r['gpu']} | {r['allocated_gib']:.2f} | "
                      f"{r['estimated_allocated_gib']:.2f} | {r['ratio']:.2f} | {reserved} | "
-                     f"{r['estimated_with_allowance_gib']:.2f} | {r['source']} ({r['commit'][:10]}, {r['date'][:10]}) |")
+                     f"{r['estimated_with_allowance_gib']:.2f} | {r['source']} "
+                     f"({r['commit'][:10]}, {r['date'][:10]}) |")
     path = out_dir / "memory-plan-vs-measured.md"
     path.write_text(f"# pretrain.plan: estimated vs measured peak memory (GiB)\n\ncompared: {result['date']}, "
                     f"plan at commit {result['commit']}\n\n" + "\n".join(lines) + "\n\n" + NOTES)

@@ -347,7 +347,8 @@ def _valid(cfg: Config, target: Target) -> bool:
 
 
 def _changes(before: Config, after: Config) -> list[str]:
-    pairs = [("fsdp.activation_checkpointing", before.fsdp.activation_checkpointing, after.fsdp.activation_checkpointing),
+    pairs = [("fsdp.activation_checkpointing", before.fsdp.activation_checkpointing,
+              after.fsdp.activation_checkpointing),
              ("fsdp.strategy", before.fsdp.strategy, after.fsdp.strategy),
              ("cluster.nodes", before.cluster and before.cluster.nodes, after.cluster and after.cluster.nodes),
              ("train.micro_batch", before.train.micro_batch, after.train.micro_batch)]
@@ -448,17 +449,20 @@ def verdict(target: Target, result: Estimate) -> str:
 def speed_lines(cfg: Config, target: Target, result: Estimate) -> list[str]:
     train = cfg.train
     tokens = train.steps * config.global_batch(train) * train.seq_len
-    budget = f"token budget     {train.steps:,} steps x {config.global_batch(train) * train.seq_len:,} tokens = {si(tokens)}tokens"
+    per_step = config.global_batch(train) * train.seq_len
+    budget = f"token budget     {train.steps:,} steps x {per_step:,} tokens = {si(tokens)}tokens"
     if result.tokens_per_s is None:
         return [budget, "speed            unknown peak FLOP/s: set metrics.peak_flops (or name the cluster file after "
                         "its GPU, e.g. a100x8) for a time estimate"]
     seconds = tokens / result.tokens_per_s
     lines = [
-        f"speed            {result.tokens_per_s / target.world:,.0f} tokens/s per GPU, {result.tokens_per_s:,.0f} in all "
+        f"speed            {result.tokens_per_s / target.world:,.0f} tokens/s per GPU, "
+        f"{result.tokens_per_s:,.0f} in all "
         f"(assumed MFU {cfg.plan.mfu:.0%} of {target.peak_flops / 1e12:.0f} TFLOP/s"
         + (", full checkpointing recomputes the forward" if cfg.fsdp.activation_checkpointing == "full" else "") + ")",
         budget,
-        f"time             {human_time(seconds)} on {target.world} GPUs = {seconds * target.world / 3600:,.0f} GPU-hours",
+        f"time             {human_time(seconds)} on {target.world} GPUs = "
+        f"{seconds * target.world / 3600:,.0f} GPU-hours",
     ]
     if cfg.cluster is not None:
         jobs = -(-seconds // (cfg.cluster.time_min * 60))

@@ -5,12 +5,13 @@ permutation plus 64 rows of ones, so every partial sum is an integer below 256 a
 exact in bf16, fp16, TF32 or fp32 whatever the summation order) and times the product against a
 floor (preflight.min_tflops; by default MIN_PEAK_FRACTION of the GPU's peak). Then all ranks
 all-reduce a buffer whose sum is known and report the bus bandwidth as nccl-tests does,
-against preflight.min_busbw_gbps when set. Rank 0 logs the result and writes it to metrics.jsonl.
+against preflight.min_busbw_gbps when set. Rank 0 logs the result and writes it to metrics.jsonl
+(a record with the step the job starts from).
 
 A failure ends the job on every rank with one line naming the node(s), rank(s) and why. Under
 Slurm with preflight.exclude_and_requeue, rank 0 also writes the failing nodes to
 RUN/.exclude_nodes; the batch script, on the host, then requeues the job with them excluded
-(`host_lines`). Only a device check names a node to exclude: a wrong or slow all-reduce cannot
+(`requeue_without_lines`). Only a device check names a node to exclude: a wrong or slow all-reduce cannot
 be pinned on one.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import faults, flops, logs
+from pretrain import checkpoint, faults, flops, logs
 from pretrain.config import Config, PreflightConfig
 from pretrain.preemption import REQUEUE_REQUEST
 
@@ -160,13 +161,19 @@ def run(cfg: Config, rank: int, world: int, device: torch.device) -> str | None:
     record, failure = check_devices(cfg, rank, world, device)
     if failure is None:
         failure = check_network(cfg.preflight, rank, world, device, record)
-    record["preflight"] = "failed" if failure else "passed"
-    record.update({"message": failure or passed_message(record), "time_s": time.perf_counter() - started,
+    record.update({"step": start_step(Path(cfg.run_dir)), "preflight": "failed" if failure else "passed",
+                   "message": failure or passed_message(record), "time_s": time.perf_counter() - started,
                    "time": time.time()})
     if rank == 0:
         logs.MetricsFile(Path(cfg.run_dir) / "metrics.jsonl").write(record)
     (log.error if failure else log.info)("%s (%.1f s)", record["message"], record["time_s"])
     return failure
+
+
+def start_step(run_dir: Path) -> int:
+    """The step this job starts from (the newest complete checkpoint's), for the metrics record."""
+    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    return checkpoint.read_manifest(latest)["step"] if latest is not None else 0
 
 
 def check_devices(cfg: Config, rank: int, world: int, device: torch.device) -> tuple[dict, str | None]:
@@ -229,7 +236,8 @@ def requeue_without_lines() -> list[str]:
         '  PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)',
         '  case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; '
         '*) PRETRAIN_EXCLUDED=$PRETRAIN_EXCLUDED,$PRETRAIN_BAD_NODES ;; esac',
-        '  if pretrain_requeue "preflight failed on $PRETRAIN_BAD_NODES, now excluded: ExcNodeList=$PRETRAIN_EXCLUDED"; then',
+        '  if pretrain_requeue "preflight failed on $PRETRAIN_BAD_NODES, now excluded: '
+        'ExcNodeList=$PRETRAIN_EXCLUDED"; then',
         "    for attempt in 1 2 3 4 5; do",
         '      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$PRETRAIN_EXCLUDED" && break',
         "      sleep 1",

@@ -52,7 +52,8 @@ def test_two_ranks_pass_and_the_result_is_logged(tmp_path):
     assert result.returncode == 0, result.stderr + result.stdout
     assert "preflight passed on 2 ranks" in result.stdout and "256 x 256 float32 products exact" in result.stdout
     record = metrics(run_dir)[0]
-    assert record["preflight"] == "passed" and record["matmul_n"] == 256 and record["allreduce_mib"] == 16
+    assert record["preflight"] == "passed" and record["step"] == 0
+    assert record["matmul_n"] == 256 and record["allreduce_mib"] == 16
     assert [r["rank"] for r in record["ranks"]] == [0, 1] and all(r["tflops"] > 0 for r in record["ranks"])
     assert record["busbw_gbps"] > 0
     assert "preflight passed" in (run_dir / "train.log").read_text()

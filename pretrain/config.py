@@ -174,9 +174,36 @@ class ClusterConfig:
     exclude: Optional[str] = None
     max_requeues: int = 10
     signal_delay_s: int = 120
+    # Memory of one GPU in GiB (nvidia-smi's MiB / 1024); null skips the launcher's memory check.
+    gpu_mem_gb: Optional[float] = None
     env: dict[str, str] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)
     container: Optional[ContainerConfig] = None
+
+
+@dataclass
+class PlanConfig:
+    # Submit even when the memory estimate (python -m pretrain.plan) says the run will not fit.
+    force: bool = False
+    # Model FLOP utilisation assumed for the time estimate, in the causal accounting (pretrain/flops.py).
+    mfu: float = 0.45
+
+
+@dataclass
+class PreflightConfig:
+    # Check every device and the network at the start of each job, before training.
+    enabled: bool = True
+    # n of the n x n matrix product each rank checks and times (at least 64); null: 8192 on GPUs, 512 on CPUs.
+    matmul_size: Optional[int] = None
+    # Slowest acceptable matrix-product rate per device (TFLOP/s; bf16 on GPUs, fp32 on CPUs); null:
+    # 40% of the GPU's peak (pretrain/flops.py), no floor on CPUs or unknown GPUs.
+    min_tflops: Optional[float] = None
+    # Size of the all-reduce bandwidth test in MiB; null: 256 on GPUs, 16 on CPUs.
+    allreduce_mb: Optional[int] = None
+    # Slowest acceptable all-reduce bus bandwidth (GB/s, as nccl-tests reports it); null: no floor.
+    min_busbw_gbps: Optional[float] = None
+    # Under Slurm: requeue the job with the failing nodes excluded (at most cluster.max_requeues times).
+    exclude_and_requeue: bool = True
 
 
 @dataclass
@@ -191,6 +218,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     cluster: Optional[ClusterConfig] = None
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     # With +cluster: print the sbatch script and submit nothing.
     dry_run: bool = False
     # With +cluster: write a standalone sbatch script to this path (for `sbatch` by hand) and submit nothing.

@@ -5,7 +5,11 @@ PRETRAIN_FAULTS is a comma-separated list of NAME@WHEN, e.g. "nan_loss@5,nan_gra
   nan_grad@STEPS       one gradient element of those steps becomes NaN (rank 0)
   kill_in_save@STEPS   the process kills itself (SIGKILL) after writing its shards of that step's
                        checkpoint, before the checkpoint is published
-STEPS is N or A-B (inclusive). The tests use it to show what happens when things break.
+STEPS is N or A-B (inclusive). Faults of a node or rank name WHERE instead, a node (Slurm's node
+name, else the hostname) or rankN:
+  preflight_fail@WHERE the preflight check's matrix product there comes out wrong (one entry changed
+                       after it is computed, so the real check sees it)
+The tests use it to show what happens when things break.
 """
 
 from __future__ import annotations
@@ -37,3 +41,9 @@ def active(name: str, step: int) -> bool:
 
 def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def active_on(name: str, node: str, rank: int) -> bool:
+    """Whether fault `name` is injected on this node or rank (NAME@NODE or NAME@rankN)."""
+    whens = _parse(os.environ.get("PRETRAIN_FAULTS", "")).get(name, [])
+    return node in whens or f"rank{rank}" in whens

@@ -119,11 +119,12 @@ def world_of(cfg: Config) -> tuple[int, int, bool]:
 
 
 def check_run(cfg: Config) -> None:
-    """Every check that needs no writing: config, data, an existing run's checkpoints, permissions."""
-    from pretrain import run_data, validate
+    """Every check that needs no writing: config, memory, data, an existing run's checkpoints, permissions."""
+    from pretrain import plan, run_data, validate
 
     world, per_node, has_cuda = world_of(cfg)
     validate.validate(cfg, world, per_node, has_cuda)
+    plan.check(cfg)
     run_data.check(cfg)
     run_dir = Path(cfg.run_dir)
     latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")

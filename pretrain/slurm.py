@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pretrain import preflight
 from pretrain.config import ClusterConfig, Config, ConfigError
 from pretrain.preemption import EXIT_STOPPED, REQUEUE_REQUEST
 from pretrain.watchdog import EXIT_HUNG
@@ -83,7 +84,8 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
 def teardown_lines(cluster: ClusterConfig) -> list[str]:
     """Lines the batch script runs on the host after srun: requeue if training asked for it, or if a
     rank crashed, hung or lost a collective (exit codes other than 0, 1 and 2: 1 and 2 are errors
-    that a rerun would repeat, such as a bad config or a diverged loss)."""
+    that a rerun would repeat, such as a bad config or a diverged loss), or without the nodes that
+    failed the preflight check, if any did."""
     limit = cluster.max_requeues
     return [
         "pretrain_srun_status=$?",
@@ -95,9 +97,12 @@ def teardown_lines(cluster: ClusterConfig) -> list[str]:
         "  else",
         f'    echo "pretrain: not requeued ($1): cluster.max_requeues={limit} reached; submit the same run directory '
         'again to continue" >&2',
+        "    return 1",
         "  fi",
         "}",
-        f'if [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
+        f'if [ -s "$PRETRAIN_RUN_DIR/{preflight.EXCLUDE_NODES}" ]; then',
+        *preflight.requeue_without_lines(),
+        f'elif [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
         f'  rm -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
         '  pretrain_requeue "stopped with a checkpoint before the time limit"',
         'elif [ -z "${PRETRAIN_GOT_TERM:-}" ] && [ "$pretrain_srun_status" -gt 2 ]; then',

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, config, distributed, faults, flops, logs, precision
+from pretrain import checkpoint, config, distributed, faults, flops, logs, precision, preflight
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import Config
 from pretrain import run_data as source
@@ -98,6 +98,9 @@ class Trainer:
         self.stop = preemption.StopRequest()
         self.stop.install()
         self.run_dir = Path(cfg.run_dir)
+        failure = preflight.run(cfg, env.rank, env.world_size, device)
+        if failure:
+            raise TrainingError(failure)
         self.global_batch = config.global_batch(cfg.train)
         self.accum = config.grad_accum_steps(cfg.train, env.world_size)
         self.mesh = build_mesh(cfg.fsdp, device, env.world_size, env.local_world_size)

@@ -108,6 +108,18 @@ def validate_cluster(cluster: ClusterConfig) -> None:
             raise ConfigError(f"cluster.env key {key!r} is not a valid environment variable name")
 
 
+def validate_plan_and_preflight(cfg: Config) -> None:
+    if not 0 < cfg.plan.mfu <= 1:
+        raise ConfigError(f"plan.mfu={cfg.plan.mfu}: must be above 0 and at most 1")
+    if cfg.cluster is not None:
+        _positive({"cluster.gpu_mem_gb": cfg.cluster.gpu_mem_gb})
+    p = cfg.preflight
+    _positive({"preflight.min_tflops": p.min_tflops, "preflight.allreduce_mb": p.allreduce_mb,
+               "preflight.min_busbw_gbps": p.min_busbw_gbps})
+    if p.matmul_size is not None and p.matmul_size < 64:
+        raise ConfigError(f"preflight.matmul_size={p.matmul_size}: must be at least 64")
+
+
 def validate_logging(cfg: Config) -> None:
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, config.WANDB_MODES)
 
@@ -129,5 +141,6 @@ def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool
     validate_train(cfg, world_size)
     validate_parallel(cfg, world_size, local_world_size)
     validate_precision(cfg, has_cuda)
+    validate_plan_and_preflight(cfg)
     validate_logging(cfg)
     validate_no_secrets(cfg)

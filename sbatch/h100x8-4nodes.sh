@@ -24,7 +24,7 @@
 export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/sbatch-$SLURM_JOB_ID}"
 mkdir -p "$PRETRAIN_RUN_DIR"
 # Preemption also signals this script: carry on to the requeue check below once srun returns.
-trap 'echo "pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint" >&2' TERM
+trap 'PRETRAIN_GOT_TERM=1; echo "pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint" >&2' TERM
 export NCCL_DEBUG=WARN
 
 # command
@@ -33,13 +33,32 @@ srun --unbuffered --output runs/slurm/%j_%t_log.out --error runs/slurm/%j_%t_log
 
 
 # teardown
+pretrain_srun_status=$?
 # pretrain: requeue from the host (the training may run in a container without scontrol)
-if [ -f "$PRETRAIN_RUN_DIR/.requeue" ]; then
-  rm -f "$PRETRAIN_RUN_DIR/.requeue"
+pretrain_requeue() {
   if [ "${SLURM_RESTART_COUNT:-0}" -lt 10 ]; then
-    echo "pretrain: requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most 10)"
+    echo "pretrain: requeueing job $SLURM_JOB_ID ($1; restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most 10)"
     scontrol requeue "$SLURM_JOB_ID"
   else
-    echo "pretrain: not requeued: cluster.max_requeues=10 reached; submit the same run directory again to continue" >&2
+    echo "pretrain: not requeued ($1): cluster.max_requeues=10 reached; submit the same run directory again to continue" >&2
+    return 1
   fi
+}
+if [ -s "$PRETRAIN_RUN_DIR/.exclude_nodes" ]; then
+  PRETRAIN_BAD_NODES=$(sort -u "$PRETRAIN_RUN_DIR/.exclude_nodes" | paste -sd, -)
+  rm -f "$PRETRAIN_RUN_DIR/.exclude_nodes" "$PRETRAIN_RUN_DIR/.requeue"
+  PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)
+  case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; *) PRETRAIN_EXCLUDED=$PRETRAIN_EXCLUDED,$PRETRAIN_BAD_NODES ;; esac
+  if pretrain_requeue "preflight failed on $PRETRAIN_BAD_NODES, now excluded: ExcNodeList=$PRETRAIN_EXCLUDED"; then
+    for attempt in 1 2 3 4 5; do
+      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$PRETRAIN_EXCLUDED" && break
+      sleep 1
+    done
+  fi
+elif [ -f "$PRETRAIN_RUN_DIR/.requeue" ]; then
+  rm -f "$PRETRAIN_RUN_DIR/.requeue"
+  pretrain_requeue "stopped with a checkpoint before the time limit"
+elif [ -z "${PRETRAIN_GOT_TERM:-}" ] && [ "$pretrain_srun_status" -gt 2 ]; then
+  pretrain_requeue "a task failed with exit code $pretrain_srun_status"
 fi
+exit "$pretrain_srun_status"

@@ -1,0 +1,246 @@
+"""Preflight: check every device and the network at the start of each job, before training.
+
+Each rank multiplies two n x n matrices whose product is known exactly (small integers: B is a
+permutation plus 64 rows of ones, so every partial sum is an integer below 256 and the product is
+exact in bf16, fp16, TF32 or fp32 whatever the summation order) and times the product against a
+floor (preflight.min_tflops; by default MIN_PEAK_FRACTION of the GPU's peak). Then all ranks
+all-reduce a buffer whose sum is known and report the bus bandwidth as nccl-tests does,
+against preflight.min_busbw_gbps when set. Rank 0 logs the result and writes it to metrics.jsonl
+(a record with the step the job starts from).
+
+A failure ends the job on every rank with one line naming the node(s), rank(s) and why. Under
+Slurm with preflight.exclude_and_requeue, rank 0 also writes the failing nodes to
+RUN/.exclude_nodes; the batch script, on the host, then requeues the job with them excluded
+(`requeue_without_lines`). Only a device check names a node to exclude: a wrong or slow all-reduce cannot
+be pinned on one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pretrain import checkpoint, faults, flops, logs
+from pretrain.config import Config, PreflightConfig
+from pretrain.preemption import REQUEUE_REQUEST
+
+log = logging.getLogger("pretrain")
+
+EXCLUDE_NODES = ".exclude_nodes"
+# The default rate floor: this fraction of the GPU's dense bf16 peak (healthy GPUs reach 60-85%).
+MIN_PEAK_FRACTION = 0.4
+# Rows of ones in B: partial sums stay at most 2 * (ONES_ROWS + 1) = 130, exact in bf16.
+ONES_ROWS = 64
+MATMUL_ITERATIONS = 10
+ALLREDUCE_ITERATIONS = 5
+
+
+@dataclass
+class DeviceResult:
+    rank: int
+    node: str
+    tflops: float
+    wrong: int
+    entries: int
+    problem: str = ""
+
+
+def node_name() -> str:
+    """Slurm's name for this node (what ExcNodeList takes), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def check_dtype(device: torch.device) -> torch.dtype:
+    """Tensor-core dtype on GPUs (what training runs in), fp32 on CPUs."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def exact_product_operands(n: int, dtype: torch.dtype, device: torch.device,
+                           seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A (entries -1, 0, 1), B = permutation + ones in the first ONES_ROWS rows, and A @ B exactly."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    a = torch.randint(-1, 2, (n, n), generator=generator).to(device=device, dtype=dtype)
+    perm = torch.randperm(n, generator=generator).to(device)
+    b = torch.zeros(n, n, device=device, dtype=dtype)
+    b[torch.arange(n, device=device), perm] = 1
+    b[:ONES_ROWS] += 1
+    expected = torch.empty_like(a)
+    expected[:, perm] = a  # (A @ P)[:, perm[i]] = A[:, i]
+    expected += a[:, :ONES_ROWS].float().sum(dim=1, keepdim=True).to(dtype)
+    return a, b, expected
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
+    """The exact product, then MATMUL_ITERATIONS timed products."""
+    a, b, expected = exact_product_operands(n, check_dtype(device), device, seed=1234 + rank)
+    product = a @ b
+    if faults.active_on("preflight_fail", node_name(), rank):
+        product[0, 0] += 1
+    wrong = int((product != expected).sum())
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(MATMUL_ITERATIONS):
+        torch.mm(a, b, out=product)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    tflops = 2 * n**3 * MATMUL_ITERATIONS / seconds / 1e12
+    return DeviceResult(rank, node_name(), tflops, wrong, n * n)
+
+
+def rate_floor(cfg: PreflightConfig, device: torch.device) -> float | None:
+    """TFLOP/s below which a device fails: preflight.min_tflops, else a fraction of a known GPU's peak."""
+    if cfg.min_tflops is not None:
+        return cfg.min_tflops
+    if device.type != "cuda":
+        return None
+    peak = flops.peak_flops_for(torch.cuda.get_device_name(device))
+    return MIN_PEAK_FRACTION * peak / 1e12 if peak else None
+
+
+def judge_device(result: DeviceResult, floor: float | None) -> DeviceResult:
+    if result.wrong:
+        result.problem = f"the matrix product was wrong in {result.wrong:,} of {result.entries:,} entries"
+    elif floor is not None and result.tflops < floor:
+        result.problem = f"matrix products ran at {result.tflops:.1f} TFLOP/s, below the floor of {floor:.1f}"
+    return result
+
+
+def check_allreduce(mib: int, device: torch.device, rank: int, world: int) -> tuple[bool, float]:
+    """Whether the sum came out right on this rank, and the bus bandwidth in GB/s."""
+    buffer = torch.full((mib * 2**20 // 4,), float(rank + 1), device=device)
+    dist.all_reduce(buffer)
+    right = bool((buffer == world * (world + 1) / 2).all())
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(ALLREDUCE_ITERATIONS):
+        dist.all_reduce(buffer)
+    synchronize(device)
+    seconds = (time.perf_counter() - started) / ALLREDUCE_ITERATIONS
+    return right, buffer.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
+
+
+def failure_message(failed: list[DeviceResult]) -> str:
+    by_node: dict[str, list[str]] = {}
+    for r in failed:
+        by_node.setdefault(r.node, []).append(f"rank {r.rank}: {r.problem}")
+    return "preflight failed on " + ", ".join(f"{node} ({'; '.join(why)})" for node, why in by_node.items())
+
+
+def exclusion(cfg: Config, run_dir: Path, nodes: list[str], is_main: bool) -> str:
+    """Under Slurm: leave the nodes for the batch script to exclude, where configured. What the message adds."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return ""
+    listed = ",".join(nodes)
+    if not cfg.preflight.exclude_and_requeue:
+        return f"; submit again with {listed} added to cluster.exclude"
+    if is_main:
+        with (run_dir / EXCLUDE_NODES).open("a") as f:
+            f.write("".join(f"{node}\n" for node in nodes))
+    return f"; the job is requeued without {listed} (cluster.max_requeues permitting)"
+
+
+def run(cfg: Config, rank: int, world: int, device: torch.device) -> str | None:
+    """Run the checks on every rank (collectively); None if all passed, else the one-line failure."""
+    if not cfg.preflight.enabled:
+        return None
+    started = time.perf_counter()
+    record, failure = check_devices(cfg, rank, world, device)
+    if failure is None:
+        failure = check_network(cfg.preflight, rank, world, device, record)
+    record.update({"step": start_step(Path(cfg.run_dir)), "preflight": "failed" if failure else "passed",
+                   "message": failure or passed_message(record), "time_s": time.perf_counter() - started,
+                   "time": time.time()})
+    if rank == 0:
+        logs.MetricsFile(Path(cfg.run_dir) / "metrics.jsonl").write(record)
+    (log.error if failure else log.info)("%s (%.1f s)", record["message"], record["time_s"])
+    return failure
+
+
+def start_step(run_dir: Path) -> int:
+    """The step this job starts from (the newest complete checkpoint's), for the metrics record."""
+    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    return checkpoint.read_manifest(latest)["step"] if latest is not None else 0
+
+
+def check_devices(cfg: Config, rank: int, world: int, device: torch.device) -> tuple[dict, str | None]:
+    """Every rank's device check, gathered: the record so far and the failure, if any."""
+    n = cfg.preflight.matmul_size or (8192 if device.type == "cuda" else 512)
+    mine = judge_device(check_device(n, device, rank), rate_floor(cfg.preflight, device))
+    results: list[DeviceResult] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(results, mine)
+    record = {"matmul_n": n, "matmul_dtype": str(check_dtype(device)).removeprefix("torch."),
+              "ranks": [asdict(r) for r in results]}
+    failed = [r for r in results if r.problem]
+    if not failed:
+        return record, None
+    nodes = sorted({r.node for r in failed})
+    return record, failure_message(failed) + exclusion(cfg, Path(cfg.run_dir), nodes, rank == 0)
+
+
+def check_network(cfg: PreflightConfig, rank: int, world: int, device: torch.device, record: dict) -> str | None:
+    """The all-reduce check (none on one rank); adds its figures to the record, returns the failure, if any."""
+    if world == 1:
+        return None
+    mib = cfg.allreduce_mb or (256 if device.type == "cuda" else 16)
+    right, busbw = check_allreduce(mib, device, rank, world)
+    wrong: list[str | None] = [None] * world
+    dist.all_gather_object(wrong, None if right else f"{node_name()} (rank {rank})")
+    record.update({"allreduce_mib": mib, "busbw_gbps": busbw})
+    if any(wrong):
+        return f"preflight failed: the all-reduce sum came out wrong on {', '.join(filter(None, wrong))}"
+    if cfg.min_busbw_gbps is not None and busbw < cfg.min_busbw_gbps:
+        nodes = sorted({r["node"] for r in record["ranks"]})
+        return (f"preflight failed: all-reduce bus bandwidth {busbw:.1f} GB/s across {', '.join(nodes)} is below "
+                f"preflight.min_busbw_gbps={cfg.min_busbw_gbps}")
+    return None
+
+
+def passed_message(record: dict) -> str:
+    ranks = record["ranks"]
+    rates = [r["tflops"] for r in ranks]
+    nodes = sorted({r["node"] for r in ranks})
+    network = (f"all-reduce of {record['allreduce_mib']} MiB right, bus bandwidth {record['busbw_gbps']:.1f} GB/s"
+               if "busbw_gbps" in record else "one rank, no all-reduce")
+    n = record["matmul_n"]
+    return (f"preflight passed on {len(ranks)} rank{'s' if len(ranks) > 1 else ''} ({', '.join(nodes)}): "
+            f"{n} x {n} {record['matmul_dtype']} products exact, {min(rates):.2f}-{max(rates):.2f} TFLOP/s per device; "
+            f"{network}")
+
+
+def requeue_without_lines() -> list[str]:
+    """The batch script's branch (on the host, after srun) for a run directory with EXCLUDE_NODES:
+    requeue the job (slurm.teardown_lines' pretrain_requeue) and add those nodes to its ExcNodeList.
+
+    Slurm refuses to change the exclusions of a running job, so the order is requeue, then update:
+    the requeued job is completing, and the batch script outlives the SIGTERM the requeue sends
+    (the setup lines trap it) for the cluster's KillWait, long enough for `scontrol update`.
+    """
+    path = f'"$PRETRAIN_RUN_DIR/{EXCLUDE_NODES}"'
+    return [
+        f"  PRETRAIN_BAD_NODES=$(sort -u {path} | paste -sd, -)",
+        f'  rm -f {path} "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
+        '  PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)',
+        '  case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; '
+        '*) PRETRAIN_EXCLUDED=$PRETRAIN_EXCLUDED,$PRETRAIN_BAD_NODES ;; esac',
+        '  if pretrain_requeue "preflight failed on $PRETRAIN_BAD_NODES, now excluded: '
+        'ExcNodeList=$PRETRAIN_EXCLUDED"; then',
+        "    for attempt in 1 2 3 4 5; do",
+        '      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$PRETRAIN_EXCLUDED" && break',
+        "      sleep 1",
+        "    done",
+        "  fi",
+    ]

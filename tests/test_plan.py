@@ -1,0 +1,149 @@
+"""The memory and speed estimate (pretrain.plan): against measured peaks on CPU, the launcher's refusal
+and its suggestions, forcing, and `python -m pretrain.plan`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain import flops, plan
+from pretrain.config import ConfigError
+from pretrain.distributed import free_port
+from pretrain.launch import compose
+from pretrain.local import rank_env
+from tests.helpers import REPO, launch, snapshot
+
+# About 52M parameters; the logits of a 32k vocabulary and the activations weigh as much as the weights.
+PROBE_MODEL = ("data=synthetic", "model.name=probe", "model.dim=512", "model.n_layers=6", "model.n_heads=8",
+               "model.n_kv_heads=4", "model.ffn_hidden=1536", "model.vocab_size=32000", "train.seq_len=512",
+               "train.steps=2", "train.log_every=1")
+TOO_BIG = ("+cluster=a100x8", "model=llama-8b", "train=pretrain")
+
+
+def measured_peaks(tmp_path: Path, world: int, overrides: list[str]) -> list[int]:
+    """Each rank's peak resident-memory increase over its pre-model baseline (tests/memory_probe.py)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.memory_probe", str(tmp_path / f"peak{rank}.json"),
+                               str(tmp_path / "run"), *overrides], cwd=REPO, env={**env, **rank_env(rank, world, port)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    return [json.loads((tmp_path / f"peak{rank}.json").read_text())["peak_increase_bytes"] for rank in range(world)]
+
+
+@pytest.mark.parametrize("world,settings", [
+    (1, ["precision=fp32", "train.micro_batch=2", "train.global_batch=4"]),  # eager, gradient accumulation
+    (2, ["precision=bf16", "fsdp.activation_checkpointing=selective", "train.micro_batch=4", "train.global_batch=8"]),
+], ids=["1proc-fp32-accumulation", "2proc-bf16-selective-sharded"])
+def test_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, world, settings):
+    overrides = [*PROBE_MODEL, *settings, f"local.nproc={world}"]
+    cfg = compose(overrides)
+    estimate = plan.estimate(cfg, plan.target_of(cfg))
+    peaks = measured_peaks(tmp_path, world, overrides)
+    for peak in peaks:
+        assert estimate.allocated == pytest.approx(peak, rel=0.15), (estimate.allocated / 2**20, peak / 2**20)
+
+
+def test_memory_falls_with_each_remedy():
+    cfg = compose([*TOO_BIG])
+    target = plan.target_of(cfg)
+    base = plan.estimate(cfg, target).allocated
+    for overrides in (["fsdp.activation_checkpointing=selective"], ["fsdp.activation_checkpointing=full"],
+                      ["train.micro_batch=1"], ["cluster.nodes=2"]):
+        changed = compose([*TOO_BIG, *overrides])
+        assert plan.estimate(changed, plan.target_of(changed)).allocated < base, overrides
+    no_shard = compose([*TOO_BIG, "fsdp=no_shard"])
+    assert plan.estimate(no_shard, plan.target_of(no_shard)).allocated > base
+
+
+def test_speed_is_mfu_times_peak_over_flops_per_token():
+    cfg = compose(["+cluster=h100x8", "cluster.nodes=2", "model=llama-1b", "train=pretrain", "plan.mfu=0.5"])
+    target = plan.target_of(cfg)
+    assert target.world == 16 and target.peak_flops == 989e12 and target.memory_gib == 79.6
+    expected = 16 * 0.5 * 989e12 / flops.flops_per_token(cfg.model, 4096, "causal")
+    assert plan.estimate(cfg, target).tokens_per_s == pytest.approx(expected)
+    full = compose(["+cluster=h100x8", "cluster.nodes=2", "model=llama-1b", "train=pretrain", "plan.mfu=0.5",
+                    "fsdp.activation_checkpointing=full"])
+    assert plan.estimate(full, plan.target_of(full)).tokens_per_s == pytest.approx(expected * 6 / 8)
+
+
+def test_suggestions_fit_when_estimated_again():
+    cfg = compose([*TOO_BIG])
+    target = plan.target_of(cfg)
+    assert not plan.estimate(cfg, target).fits
+    suggestions = plan.suggestions(cfg, target)
+    assert suggestions
+    for suggestion in suggestions:
+        changed = compose([*TOO_BIG, *suggestion.overrides])
+        again = plan.estimate(changed, plan.target_of(changed))
+        assert again.fits and again.total == pytest.approx(suggestion.estimate.total), suggestion.overrides
+
+
+def test_check_is_skipped_where_the_gpu_memory_is_unknown():
+    assert plan.check(compose(["model=llama-8b"])) is None  # this CPU machine
+    assert plan.check(compose([*TOO_BIG, "cluster.gpu_mem_gb=null"])) is None
+    with pytest.raises(ConfigError, match="will not fit"):
+        plan.check(compose([*TOO_BIG]))
+
+
+def test_launcher_refuses_a_run_that_will_not_fit_and_names_what_would(tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch(*TOO_BIG, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith("error: llama-8b will not fit: about ")
+    assert "GiB per GPU (parameters 3.74 + optimizer state 7.48 + " in message
+    assert "cluster a100x8: 1 node x 8 GPUs has 80.0 GiB per GPU" in message
+    assert "fits with: fsdp.activation_checkpointing=" in message and "plan.force=true" in message
+    assert not run_dir.exists() and snapshot(tmp_path) == {}
+    # The first suggestion is accepted as it stands.
+    first = re.search(r"fits with: (.*?) \(", message).group(1).split()
+    accepted = launch(*TOO_BIG, *first, "dry_run=true", f"hydra.run.dir={run_dir}")
+    assert accepted.returncode == 0, accepted.stderr
+
+
+def test_force_submits_anyway_with_a_warning(tmp_path):
+    result = launch(*TOO_BIG, "plan.force=true", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr
+    assert "warning: llama-8b will not fit" in result.stderr and "plan.force=true: going ahead" in result.stderr
+    assert "#SBATCH --nodes=1" in result.stdout
+
+
+def plan_cli(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain.plan", *overrides], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_plan_cli_prints_counts_memory_and_time():
+    result = plan_cli("+cluster=h100x8", "model=llama-1b", "train=pretrain")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    cfg = compose(["+cluster=h100x8", "model=llama-1b", "train=pretrain"])
+    estimate = plan.estimate(cfg, plan.target_of(cfg))
+    assert "parameters       1,532,037,120" in out
+    assert "8.42 GFLOP (causal attention), 9.23 GFLOP (reference" in out
+    for part in estimate.held + estimate.forward_backward + estimate.optimizer_step:
+        assert re.search(rf"{re.escape(part.name)}\s+{re.escape(part.detail)}\s+{plan.gib(part.bytes)}\n", out), part
+    assert f"total{' ' * 70}" in out and plan.gib(estimate.total) in out and "fits in 79.6 GiB per GPU" in out
+    tokens = 100_000 * 4_194_304
+    hours = tokens / estimate.tokens_per_s * 8 / 3600
+    assert f"= {hours:,.0f} GPU-hours" in out
+    assert f"{estimate.tokens_per_s / 8:,.0f} tokens/s per GPU" in out and "assumed MFU 45% of 989 TFLOP/s" in out
+
+
+def test_plan_cli_exits_1_with_suggestions_when_it_will_not_fit():
+    result = plan_cli(*TOO_BIG)
+    assert result.returncode == 1
+    assert "does NOT fit in 80.0 GiB per GPU" in result.stdout
+    assert "would fit:\n  fsdp.activation_checkpointing=" in result.stdout
+    assert plan_cli("train.micro_batch=0").returncode == 2

@@ -87,7 +87,7 @@ def test_dry_run_shows_the_script_and_submits_nothing(tmp_path):
     out = result.stdout
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",
                  "#SBATCH --signal=USR2@120", "#SBATCH --time=2880", "#SBATCH --requeue", "srun ",
-                 "-m pretrain.train $PRETRAIN_RUN_DIR", 'scontrol requeue "$SLURM_JOB_ID"'):
+                 "-m pretrain.train \"$PRETRAIN_RUN_DIR\"", 'scontrol requeue "$SLURM_JOB_ID"'):
         assert line in out, line
     assert "nothing was written or submitted" in out
     assert not run_dir.exists()

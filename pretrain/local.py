@@ -53,12 +53,20 @@ def run(cfg: Config) -> int:
 def run_in_process(cfg: Config) -> int:
     from pretrain import train
 
-    os.environ.update(rank_env(0, 1, free_port()))
+    variables = rank_env(0, 1, free_port())
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         result = train.run(cfg)
     except train.TrainingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:  # the caller's environment (e.g. a later sbatch's) must not inherit this rank's identity
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return EXIT_STOPPED if result["stopped_early"] else 0
 
 

@@ -72,6 +72,8 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
     """Lines the batch script runs on the host before srun: run directory, environment, user setup."""
     lines = [
         *run_dir_definition,
+        "# Ranks and the rendezvous come from Slurm, not from the environment sbatch was called in.",
+        "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT",
         "# Preemption also signals this script: carry on to the requeue check below once srun returns.",
         "trap 'PRETRAIN_GOT_TERM=1; echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
     ]

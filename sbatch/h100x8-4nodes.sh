@@ -23,6 +23,8 @@
 # pretrain: the run directory (set PRETRAIN_RUN_DIR when calling sbatch to choose it)
 export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/sbatch-$SLURM_JOB_ID}"
 mkdir -p "$PRETRAIN_RUN_DIR"
+# Ranks and the rendezvous come from Slurm, not from the environment sbatch was called in.
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
 # Preemption also signals this script: carry on to the requeue check below once srun returns.
 trap 'PRETRAIN_GOT_TERM=1; echo "pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint" >&2' TERM
 export NCCL_DEBUG=WARN

@@ -1,4 +1,21 @@
 import os
+import time
+
+import pytest
 
 # Keep every test off the network and away from a user's W&B account.
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(autouse=True)
+def _no_jobs_left_behind(request):
+    """After a test that used the Slurm cluster, cancel whatever it left in the queue, so a failed test's
+    jobs cannot hold the nodes that the next test needs."""
+    yield
+    if "slurm_cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("slurm_cluster")
+    cluster.run("scancel", "--user", "root", check=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and cluster.run("squeue", "-h", check=False).stdout.strip():
+        time.sleep(0.5)

@@ -5,6 +5,8 @@ Adding a case is one line in CASES: the overrides and a fragment the message mus
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -84,7 +86,9 @@ def test_bad_data_is_refused(tmp_path, capsys, case):
 
 def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path, capsys):
     run_dir = tmp_path / "run"
+    environment = dict(os.environ)
     assert launch.main(["train.steps=2", "train.eval_every=0", f"hydra.run.dir={run_dir}"]) == 0
+    assert dict(os.environ) == environment  # an in-process run leaves no RANK/MASTER_PORT behind for later jobs
     capsys.readouterr()
     before = snapshot(run_dir)
     code = launch.main(["train.steps=4", "model.dim=128", f"hydra.run.dir={run_dir}"])

@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     run_dirs = runs.run_dirs(args.path)
     if not run_dirs:
-        print(f"error: {args.path} is neither a run directory nor a sweep directory (none with a config.yaml)",
-              file=sys.stderr)
+        print(runs.not_found(args.path), file=sys.stderr)
         return 2
     metrics = {run_dir.name: runs.metrics(run_dir) for run_dir in run_dirs}
     print(table([summarize(name, records) for name, records in metrics.items()]))

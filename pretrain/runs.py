@@ -26,6 +26,11 @@ def run_dirs(path: Path) -> list[Path]:
     return sorted((child for child in path.iterdir() if is_run_dir(child)), key=_point_order)
 
 
+def not_found(path: Path) -> str:
+    """The one-line error of the commands that take a run or sweep directory and got neither."""
+    return f"error: {path} is neither a run directory nor a sweep directory (none with a config.yaml)"
+
+
 def _point_order(run_dir: Path) -> tuple[int, str]:
     index = re.match(r"\d+", run_dir.name)
     return (int(index.group()) if index else -1, run_dir.name)

@@ -210,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     run_dirs = runs.run_dirs(args.path)
     if not run_dirs:
-        print(f"error: {args.path} is neither a run directory nor a sweep directory (none with a config.yaml)",
-              file=sys.stderr)
+        print(runs.not_found(args.path), file=sys.stderr)
         return 2
     if args.dry_run:
         return dry_run(run_dirs, watching=args.watch is not None)

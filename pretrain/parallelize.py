@@ -19,9 +19,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from pretrain.config import FSDPConfig
 
 try:  # torch >= 2.6 exports FSDP2 here; 2.4-2.5 kept it under _composable.
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # pragma: no cover - depends on the installed torch
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# torch >= 2.8: FSDP2 can be told to reduce with SUM (see reduce_gloo_gradients_by_sum). Older FSDP2
+# cannot all-reduce across a 2-D mesh on CPUs at all (no AVG in gloo, no CPU event), so
+# hybrid_shard and no_shard need a GPU there.
+CPU_ALL_REDUCE = hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
 
 
 def mesh_shape(strategy: str, world_size: int, shard_size: int) -> tuple[int, ...]:
@@ -107,6 +112,38 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
         # Backward starts here: resharding would all-gather it again at once.
         shard(model.output, reshard_after_forward=False)
     shard(model, reshard_after_forward=False)
+    if mesh.device_type == "cpu":
+        reduce_gloo_gradients_by_sum(model)
+
+
+def reduce_gloo_gradients_by_sum(model: nn.Module) -> None:
+    """Make FSDP2 average gradients over gloo with SUM and a division, not ReduceOp.AVG.
+
+    FSDP2 reduces fp32/bf16 gradients with AVG, which gloo lacks for all-reduce before
+    torch 2.8 (HSDP and no_shard fail) and turns silently into a SUM for reduce-scatter
+    (pytorch/pytorch#162338: gradients come out world-size times too large). Newer torch has
+    a switch for exactly this; on torch 2.7 (1-D meshes only) the factors FSDP uses for fp16
+    gradients (SUM, divided by about sqrt(N) before and N/sqrt(N) after) are chosen on CPUs
+    whatever the gradients' dtype.
+    """
+    if CPU_ALL_REDUCE:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    original = collectives._get_gradient_divide_factors
+    if getattr(original, "sums_on_cpu", False):
+        return
+
+    def divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type=""):
+        if device_type == "cpu":
+            reduce_dtype = torch.float16  # only selects the factors; the reduction keeps its dtype
+        return original(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type)
+
+    divide_factors.sums_on_cpu = True
+    collectives._get_gradient_divide_factors = divide_factors
 
 
 def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype) -> nn.Module:

@@ -340,7 +340,7 @@ def _valid(cfg: Config, target: Target) -> bool:
     from pretrain import validate
 
     try:
-        validate.validate_parallel(cfg, target.world, target.per_node)
+        validate.validate_parallel(cfg, target.world, target.per_node, target.device == "cuda")
     except ConfigError:
         return False
     return True

@@ -68,19 +68,31 @@ def validate_train(cfg: Config, world_size: int) -> None:
                           f"train.micro_batch={t.micro_batch} = {per_step}; e.g. train.global_batch={fits}")
 
 
-def validate_parallel(cfg: Config, world_size: int, local_world_size: int) -> None:
+def validate_parallel(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
     f = cfg.fsdp
     _one_of("fsdp.strategy", f.strategy, config.STRATEGIES)
     _one_of("fsdp.activation_checkpointing", f.activation_checkpointing, config.CHECKPOINTING)
     _positive({"fsdp.shard_size": f.shard_size})
-    if f.strategy != "hybrid_shard":
-        return
-    shard = f.shard_size or local_world_size
-    if world_size % shard:
-        raise ConfigError(f"fsdp.shard_size={shard} does not divide the world size {world_size}")
-    if world_size // shard < 2:
-        raise ConfigError(f"fsdp.strategy=hybrid_shard with shard groups of {shard} on {world_size} ranks leaves a "
-                          "replicate degree of 1; use full_shard, more nodes, or a smaller fsdp.shard_size")
+    if f.strategy == "hybrid_shard":
+        shard = f.shard_size or local_world_size
+        if world_size % shard:
+            raise ConfigError(f"fsdp.shard_size={shard} does not divide the world size {world_size}")
+        if world_size // shard < 2:
+            raise ConfigError(f"fsdp.strategy=hybrid_shard with shard groups of {shard} on {world_size} ranks leaves "
+                              "a replicate degree of 1; use full_shard, more nodes, or a smaller fsdp.shard_size")
+    if f.strategy in ("hybrid_shard", "no_shard") and world_size > 1 and not has_cuda:
+        _check_cpu_all_reduce(f.strategy)
+
+
+def _check_cpu_all_reduce(strategy: str) -> None:
+    import torch
+
+    from pretrain import parallelize
+
+    if not parallelize.CPU_ALL_REDUCE:
+        raise ConfigError(f"fsdp.strategy={strategy} on CPUs needs torch 2.8 or newer: the FSDP2 of torch "
+                          f"{torch.__version__} cannot all-reduce gradients over gloo; use fsdp=full_shard or "
+                          "shard_grad_op here (on GPUs every strategy works)")
 
 
 def validate_precision(cfg: Config, has_cuda: bool) -> None:
@@ -139,7 +151,7 @@ def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool
         validate_cluster(cfg.cluster)
     validate_model(cfg)
     validate_train(cfg, world_size)
-    validate_parallel(cfg, world_size, local_world_size)
+    validate_parallel(cfg, world_size, local_world_size, has_cuda)
     validate_precision(cfg, has_cuda)
     validate_plan_and_preflight(cfg)
     validate_logging(cfg)

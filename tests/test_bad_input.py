@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pretrain import launch
+from pretrain.parallelize import CPU_ALL_REDUCE
 from tests.helpers import snapshot
 
 CASES = [
@@ -39,6 +40,10 @@ CASES = [
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0: must be between 0 and 1"),
     (["--fast"], "unknown option --fast"),
 ]
+if not CPU_ALL_REDUCE:  # torch 2.7: FSDP2 cannot all-reduce gradients over gloo
+    CASES += [(["fsdp=no_shard", "local.nproc=2"], "fsdp.strategy=no_shard on CPUs needs torch 2.8 or newer"),
+              (["fsdp=hybrid_shard", "local.nproc=4", "fsdp.shard_size=2", "train.micro_batch=4"],
+               "fsdp.strategy=hybrid_shard on CPUs needs torch 2.8 or newer")]
 
 
 @pytest.mark.parametrize("overrides,message", CASES, ids=[" ".join(c[0]) for c in CASES])

@@ -10,12 +10,11 @@ moment therefore leaves either the previous complete checkpoint or the new one, 
 half-written folder that looks complete. DCP reshards on load, so a checkpoint written by N
 processes loads into any other number.
 
-Asynchronous saves (train.async_checkpoint) keep that order: training blocks only while the
-state is copied to host memory (on torch >= 2.9 with CUDA the copy runs on a side stream into
-freshly pinned memory and `wait_for_staging` holds the next optimizer step until it is done;
-bench/NOTES.md has what that costs); a background thread writes the shards, and the folder is
-published, by the same barrier, manifest and rename, once every rank has finished writing
-(`poll`, `wait`).
+Asynchronous saves (train.async_checkpoint) keep that order: the state is copied into host
+buffers kept for the whole run (`staging.HostStaging`: on GPUs a side-stream copy into pinned
+memory that the next optimizer step waits for on the GPU), a background thread writes the
+shards with `dcp.save` over a gloo group of its own, and the folder is published, by the same
+barrier, manifest and rename, once every rank has finished writing (`poll`, `wait`).
 
 The manifest lists every file of the checkpoint with its size and CRC32 (each rank digests the
 files it wrote). `verify` checks them before a load; the training start falls back to the
@@ -31,7 +30,7 @@ import os
 import shutil
 import time
 import zlib
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from pretrain import faults
 from pretrain.config import ModelConfig
 from pretrain.distributed import all_agree
+from pretrain.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
@@ -180,26 +180,27 @@ class PendingSave:
     final: Path
     manifest: dict[str, Any]
     upload: Future
-    staging: Future | None
-    stager: Any  # closed once the upload is done, freeing its pinned memory
     started: float
-    stage_s: float = 0.0  # the training loop's time in `save` and `wait_for_staging`
+    stage_s: float = 0.0  # the training loop's time in `save`
 
 
 class Checkpointer:
-    def __init__(self, root: Path, keep: int, async_save: bool = False) -> None:
+    def __init__(self, root: Path, keep: int, async_save: bool = False, device: torch.device | None = None) -> None:
         self.root = root
         self.keep = keep
         self.async_save = async_save
         self.pending: PendingSave | None = None
-        self._group = _cpu_group() if async_save else None
+        if async_save:
+            self._group = _cpu_group()
+            self._staging = HostStaging(device or torch.device("cpu"))
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
              model_cfg: ModelConfig, config_hash: str) -> Path:
         """Write a checkpoint of everything needed to continue exactly; returns its folder.
 
-        Asynchronous: returns once the state is staged; the folder appears when `poll` or `wait`
-        finds every rank done. A save still pending is published first.
+        Asynchronous: returns once the copy to host memory is under way; the folder appears when
+        `poll` or `wait` finds every rank done. A save still pending is published first.
         """
         self.wait()
         started = time.perf_counter()
@@ -216,29 +217,23 @@ class Checkpointer:
         manifest = {"step": step, "world_size": dist.get_world_size(), "config_hash": config_hash,
                     "model_shape": model_shape(model_cfg), "train_state": train_state}
         if self.async_save:
-            stager = _pinned_stager()
-            upload, staging = self._start_async(state, partial, stager)
-            self.pending = PendingSave(partial, final, manifest, upload, staging, stager, started)
-            self.pending.stage_s = time.perf_counter() - started
+            host_state = self._staging.copy(state)
+            upload = self._writer.submit(self._write, host_state, partial)
+            self.pending = PendingSave(partial, final, manifest, upload, started, time.perf_counter() - started)
             return final
         dcp.save(state, checkpoint_id=str(partial))
         self._finish(partial, final, manifest)
         return final
 
-    def _start_async(self, state: dict[str, Any], partial: Path, stager: Any) -> tuple[Future, Future | None]:
-        kwargs = {"async_stager": stager} if stager is not None else {}
-        response = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group, **kwargs)
-        if hasattr(response, "upload_completion"):  # torch >= 2.9 with staging in the background
-            return response.upload_completion, response.staging_completion
-        return response, None
+    def _write(self, host_state: dict[str, Any], partial: Path) -> None:
+        """The writer thread: wait for the host copy, then write this rank's shards."""
+        self._staging.copied()
+        dcp.save(host_state, checkpoint_id=str(partial), process_group=self._group)
 
     def wait_for_staging(self) -> None:
-        """Block until a pending save has copied the state: call before the optimizer changes it."""
-        if self.pending is not None and self.pending.staging is not None:
-            started = time.perf_counter()
-            self.pending.staging.result()
-            self.pending.staging = None
-            self.pending.stage_s += time.perf_counter() - started
+        """Hold the state's next update until a pending save has copied it: call before the optimizer step."""
+        if self.pending is not None:
+            self._staging.hold_updates()
 
     def poll(self, device: torch.device) -> dict[str, Any] | None:
         """Publish a pending save if every rank has written its shards (a collective: call on all ranks)."""
@@ -258,11 +253,7 @@ class Checkpointer:
         if pending is None:
             return None
         waited = time.perf_counter()
-        if pending.staging is not None:
-            pending.staging.result()
         pending.upload.result()
-        if pending.stager is not None:
-            pending.stager.close()
         self._finish(pending.partial, pending.final, pending.manifest)
         return {"path": pending.final, "step": pending.manifest["step"], "total_s": time.perf_counter() - pending.started,
                 "stage_s": pending.stage_s, "wait_s": time.perf_counter() - waited}
@@ -312,25 +303,8 @@ class Checkpointer:
 def _cpu_group() -> dist.ProcessGroup:
     """A gloo group of its own for the background thread of asynchronous saves.
 
-    dcp.async_save needs a CPU backend (NCCL's is GPU-only), and collectives of two threads must
-    never share a group: their order could differ between ranks.
+    The writer thread's collectives (DCP's planning and metadata exchange) run beside training's:
+    two threads must never share a group, their order could differ between ranks; and gloo
+    keeps them off the GPU.
     """
     return dist.new_group(backend="gloo")
-
-
-def _pinned_stager():
-    """A stager that copies to pinned host memory on a side stream (torch >= 2.9 with CUDA); None
-    elsewhere, where dcp.async_save copies the state to host memory before it returns.
-
-    One per save: on torch 2.11 a DefaultStager reused for a second save failed inside its
-    deepcopy (KeyError: <class 'type'>; its caches are cleared once the first upload is done),
-    even with its close() disabled, so its pinned buffers cannot be kept between saves.
-    """
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=True))

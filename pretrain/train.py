@@ -117,7 +117,7 @@ class Trainer:
         self.data = source.open_train(cfg)
         self.val_data = source.open_val(cfg)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.train.ckpt_keep,
-                                         async_save=cfg.train.async_checkpoint)
+                                         async_save=cfg.train.async_checkpoint, device=self.device)
         self.metrics = logs.MetricsFile(self.run_dir / "metrics.jsonl")
         self.wandb = WandbRun(cfg, env.is_main)
         self.state = TrainState()

@@ -44,6 +44,31 @@ def test_checkpoint_from_two_processes_loads_with_one_and_four(tmp_path):
             assert after[step] == pytest.approx(reference[step], abs=2e-3), (nproc, step)
 
 
+def test_asynchronous_checkpoints_resume_exactly(tmp_path):
+    """Asynchronous saves reuse one host copy of the state, written while training goes on.
+
+    Resuming from the second one (steps 11-14 ran while it was written) must continue exactly
+    as the uninterrupted run; and saving asynchronously must change nothing of the training itself.
+    """
+    run = RUN + ("local.nproc=2", "train.global_batch=16", "train.micro_batch=4", "train.ckpt_keep=4")
+    whole, run_dir = tmp_path / "whole", tmp_path / "async"
+    assert launch(*run, f"hydra.run.dir={whole}").returncode == 0
+    result = launch(*run, "train.async_checkpoint=true", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr + result.stdout
+    uninterrupted = losses(whole)
+    assert losses(run_dir) == uninterrupted
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:08d}" for s in (5, 10, 15, 20)]
+    for later in (15, 20):
+        shutil.rmtree(checkpoints / f"step_{later:08d}")
+    resumed = launch(*run, "train.async_checkpoint=true", f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_00000010" in resumed.stdout
+    after = losses(run_dir)
+    for step in range(11, 21):
+        assert after[step] == uninterrupted[step], step
+
+
 def test_rerun_of_a_finished_run_does_nothing_more(tmp_path):
     run_dir = tmp_path / "run"
     assert launch(*RUN, "train.steps=5", f"hydra.run.dir={run_dir}").returncode == 0

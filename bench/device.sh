@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
+#   bash bench/device.sh gpu-tests|checkpoint|8b-mb2|8b-mb2-noac|1b-mb
+# Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT.
+# Results and logs go to $OUT/results; copy them into bench/results/ afterwards.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+# The device tool's NVLink multicast must stay off (its KINDS.md says why).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
+export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+results=$OUT/results
+mkdir -p "$results"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$results/machine.txt"
+
+for phase in "$@"; do
+  echo "== $phase $(date +%T)"
+  case $phase in
+    gpu-tests)  python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$results/test_gpu.log" 2>&1
+                tail -3 "$results/test_gpu.log" ;;
+    checkpoint) python3 bench/checkpoint_cost.py --async-only --async-every 110 --async-steps 240 \
+                  --name checkpoint_async_reused --out "$results" --runs /tmp/bench-runs 2>&1 | tail -12 ;;
+    8b-mb2)     python3 bench/throughput.py 8b-2gpu --name 8b-2gpu-mb2 --out "$results" train.micro_batch=2 2>&1 | tail -6 ;;
+    8b-mb2-noac) python3 bench/throughput.py 8b-2gpu --name 8b-2gpu-mb2-noac --out "$results" train.micro_batch=2 \
+                  fsdp.activation_checkpointing=none 2>&1 | tail -6 ;;
+    1b-mb)      for mb in 10 12; do
+                  python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4
+                done ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done

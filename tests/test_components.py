@@ -15,6 +15,7 @@ from pretrain.logs import MetricsFile
 from pretrain.models.llama import Transformer, cross_entropy
 from pretrain.optim import lr_factor
 from pretrain.precision import LossScaler
+from pretrain.staging import HostStaging
 
 MODELS = ["tiny", "llama-125m", "llama-1b", "llama-8b", "llama-70b"]
 
@@ -141,3 +142,22 @@ def test_global_batch_in_tokens_takes_precedence():
     cfg = compose(["train.global_batch_tokens=8192", "train.seq_len=256"])
     assert global_batch(cfg.train) == 32
     assert math.isclose(cfg.train.global_batch, 16)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_host_staging_keeps_the_saved_state_and_reuses_its_buffers(device):
+    staging = HostStaging(torch.device(device))
+    weight = torch.randn(1024, 256, device=device)
+    saved = weight.clone().cpu()
+    host = staging.copy({"model": {"w": weight}, "optim": {"lr": 1e-3}})
+    staging.hold_updates()
+    weight.add_(1.0)  # the optimizer step after the save (on a GPU, queued behind the copy)
+    staging.copied()
+    assert torch.equal(host["model"]["w"], saved) and host["optim"]["lr"] == 1e-3
+    assert host["model"]["w"].is_pinned() == (device == "cuda")
+    buffer = host["model"]["w"].data_ptr()
+    again = staging.copy({"model": {"w": weight}, "optim": {"lr": 5e-4}})
+    staging.copied()
+    assert again["model"]["w"].data_ptr() == buffer  # one allocation for the run, not one per save
+    assert torch.equal(again["model"]["w"], weight.cpu()) and again["optim"]["lr"] == 5e-4

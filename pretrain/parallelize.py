@@ -146,6 +146,19 @@ def reduce_gloo_gradients_by_sum(model: nn.Module) -> None:
     collectives._get_gradient_divide_factors = divide_factors
 
 
+def sync_gradients(model: nn.Module, mesh: DeviceMesh, last_micro_batch: bool) -> None:
+    """Set what the coming micro-batch of a gradient accumulation reduces.
+
+    Every micro-batch reduce-scatters, so accumulated gradients stay sharded: 4P/D bytes, where
+    skipping that reduction would hold them whole (4P: 32 GB for the 8B shape, 280 GB for the
+    70B) for one reduce-scatter per micro-batch, which overlaps backward. Across the replicate
+    dimension of a 2-D mesh (hybrid_shard between nodes, no_shard) gradients are all-reduced
+    only after the last micro-batch.
+    """
+    if mesh.ndim == 2:
+        model.set_requires_all_reduce(last_micro_batch)
+
+
 def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype) -> nn.Module:
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:

@@ -15,7 +15,7 @@ parameter is sharded over, c bytes per value of the compute dtype, T tokens per 
   forward/backward    the compute-dtype copies FSDP all-gathers (all of them where nothing is
                       resharded after forward: shard_grad_op, or one rank per shard; else the
                       output layer, kept for backward, and two blocks), fp32
-                      unsharded gradients 4P between the micro-batches of an accumulation,
+                      sharded gradients 4P/D between the micro-batches of an accumulation,
                       every block's saved activations, and at the end of forward the logits
                       and loss buffers (eager cross-entropy: 12 TV bytes; compiled: 2 cTV)
                       or, with activation checkpointing, one block's recomputation
@@ -255,8 +255,8 @@ def estimate(cfg: Config, target: Target) -> Estimate:
     final_norm = norm_activations(m, c) + c * m.dim
     forward_backward = [
         Part("gathered parameters", f"{target.precision} copies FSDP all-gathers ({which})", gathered),
-        Part("accumulated gradients", f"fp32, unsharded between {accumulation} micro-batches" if accumulation > 1
-             else "none: one micro-batch per step", 4 * params if accumulation > 1 else 0),
+        Part("accumulated gradients", f"fp32, {split}, summed over {accumulation} micro-batches" if accumulation > 1
+             else "none: one micro-batch per step", 4 * shard if accumulation > 1 else 0),
         Part("activations", f"{m.n_layers} layers x {tokens:,} tokens, checkpointing {ac}"
              + (", compiled" if compiled else ""), (m.n_layers * per_block + final_norm) * tokens),
         turn_of_backward(m, c, tokens, ac, compiled, target.device),

@@ -28,7 +28,7 @@ from pretrain.deferred import DeferredValue
 from pretrain.loss import build_loss
 from pretrain.models.llama import Transformer
 from pretrain.optim import build_optimizer, lr_factor, set_lr, skips_on_device, step_unless
-from pretrain.parallelize import build_mesh, parallelize
+from pretrain.parallelize import build_mesh, parallelize, sync_gradients
 from pretrain.watchdog import StepWatchdog
 from pretrain import preemption
 from pretrain.wandb_run import WandbRun
@@ -192,7 +192,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets = self._batch(micro)
-            self.model.set_requires_gradient_sync(micro == self.accum - 1)
+            sync_gradients(self.model, self.mesh, last_micro_batch=micro == self.accum - 1)
             loss = self.loss_fn(self.model(inputs), targets) / self.accum
             if faults.active("nan_loss", self.state.step + 1):
                 loss = loss * float("nan")

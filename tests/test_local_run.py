@@ -78,11 +78,14 @@ def one_process_run(tmp_path_factory):
 
 @pytest.mark.parametrize("overrides", [("local.nproc=2",), ("local.nproc=2", "fsdp=shard_grad_op"),
                                        pytest.param(("local.nproc=2", "fsdp=no_shard"), marks=needs_cpu_all_reduce),
-                                       pytest.param(("local.nproc=4", "fsdp=hybrid_shard", "fsdp.shard_size=2"),
-                                                    marks=needs_cpu_all_reduce)],
+                                       pytest.param(("local.nproc=4", "fsdp=hybrid_shard", "fsdp.shard_size=2",
+                                                     "train.micro_batch=2"), marks=needs_cpu_all_reduce)],
                          ids=lambda o: " ".join(o))
 def test_every_strategy_reproduces_one_process(tmp_path, one_process_run, overrides):
     """Same data (sampling by global sample index) and averaged, not summed, gradients at any world size.
+
+    The reference accumulates 4 micro-batches; 2 processes accumulate 2 each (reduce-scattering
+    every micro-batch), and the 2 x 2 hybrid mesh 2 each (all-reducing across its replicas once).
 
     Losses alone would miss a summed gradient (AdamW hardly sees its scale); the gradient norm does not.
     """

@@ -43,7 +43,8 @@ def measured_peaks(tmp_path: Path, world: int, overrides: list[str]) -> list[int
 @pytest.mark.parametrize("world,settings", [
     (1, ["precision=fp32", "train.micro_batch=2", "train.global_batch=4"]),  # eager, gradient accumulation
     (2, ["precision=bf16", "fsdp.activation_checkpointing=selective", "train.micro_batch=4", "train.global_batch=8"]),
-], ids=["1proc-fp32-accumulation", "2proc-bf16-selective-sharded"])
+    (2, ["precision=fp32", "train.micro_batch=2", "train.global_batch=8"]),  # accumulated gradients stay sharded
+], ids=["1proc-fp32-accumulation", "2proc-bf16-selective-sharded", "2proc-fp32-accumulation"])
 def test_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, world, settings):
     overrides = [*PROBE_MODEL, *settings, f"local.nproc={world}"]
     cfg = compose(overrides)

@@ -45,6 +45,8 @@
 # the background of this script, its output going to DIR/log.
 
 set -euo pipefail
+# Debian puts the daemons in /usr/sbin, which a non-login shell's PATH may lack.
+export PATH=$PATH:/usr/sbin:/sbin
 
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
 BINARIES=(munged munge unmunge mariadbd mariadb mariadb-install-db slurmdbd slurmctld slurmd
@@ -71,7 +73,7 @@ usage() {
 missing_binaries() {
     local b out=()
     for b in "${BINARIES[@]}"; do
-        command -v "$b" >/dev/null 2>&1 || [[ -x /usr/sbin/$b ]] || out+=("$b")
+        command -v "$b" >/dev/null 2>&1 || out+=("$b")
     done
     echo "${out[*]}"
 }

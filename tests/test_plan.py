@@ -105,7 +105,8 @@ def test_launcher_refuses_a_run_that_will_not_fit_and_names_what_would(tmp_path)
     assert message.startswith("error: llama-8b will not fit: about ")
     assert "GiB per GPU (parameters 3.74 + optimizer state 7.48 + " in message
     assert "cluster a100x8: 1 node x 8 GPUs has 80.0 GiB per GPU" in message
-    assert "fits with: fsdp.activation_checkpointing=" in message and "plan.force=true" in message
+    assert "fits with: train.micro_batch=1 (" in message and "| fsdp.activation_checkpointing=selective (" in message
+    assert "plan.force=true" in message
     assert not run_dir.exists() and snapshot(tmp_path) == {}
     # The first suggestion is accepted as it stands.
     first = re.search(r"fits with: (.*?) \(", message).group(1).split()
@@ -146,5 +147,6 @@ def test_plan_cli_exits_1_with_suggestions_when_it_will_not_fit():
     result = plan_cli(*TOO_BIG)
     assert result.returncode == 1
     assert "does NOT fit in 80.0 GiB per GPU" in result.stdout
-    assert "would fit:\n  fsdp.activation_checkpointing=" in result.stdout
+    assert "would fit:\n  train.micro_batch=1 " in result.stdout
+    assert "\n  fsdp.activation_checkpointing=selective " in result.stdout
     assert plan_cli("train.micro_batch=0").returncode == 2

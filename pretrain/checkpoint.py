@@ -16,8 +16,10 @@ memory that the next optimizer step waits for on the GPU), a background thread w
 shards with `dcp.save` over a gloo group of its own, and the folder is published, by the same
 barrier, manifest and rename, once every rank has finished writing (`poll`, `wait`).
 
-The manifest lists every file of the checkpoint with its size and CRC32 (each rank digests the
-files it wrote). `verify` checks them before a load; the training start falls back to the
+Each rank writes its shards as several files with as many threads (`writer_threads`): one
+writer thread per rank left a 17 GiB 1B-shape save at about 30 s. The manifest lists every file
+of the checkpoint with its size and CRC32; each rank digests the files it wrote, in parallel and,
+for asynchronous saves, in the writer thread, so training never waits for the digests. `verify` checks them before a load; the training start falls back to the
 previous checkpoint when the newest is damaged, and renames the damaged one aside (`.damaged`),
 never deleting it.
 """
@@ -127,7 +129,23 @@ def crc32_of(path: Path) -> int:
 
 
 def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
-    return {name: {"size": (folder / name).stat().st_size, "crc32": crc32_of(folder / name)} for name in names}
+    """Size and CRC32 of each file, several files at a time (zlib releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
+        crcs = list(pool.map(crc32_of, [folder / name for name in names]))
+    return {name: {"size": (folder / name).stat().st_size, "crc32": crc} for name, crc in zip(names, crcs)}
+
+
+def writer_threads() -> int:
+    """Threads (and files) per rank for writing and digesting shards: up to 8, within the CPUs the
+    rank may use (under Slurm, its task's)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def save_shards(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:
+    """Write this rank's shards with several threads; returns the digests of the files it wrote."""
+    writer = dcp.FileSystemWriter(str(partial), thread_count=writer_threads())
+    dcp.save(state, storage_writer=writer, process_group=group)
+    return digest(partial, written_by(partial, dist.get_rank()))
 
 
 def written_by(folder: Path, rank: int) -> list[str]:
@@ -221,14 +239,13 @@ class Checkpointer:
             upload = self._writer.submit(self._write, host_state, partial)
             self.pending = PendingSave(partial, final, manifest, upload, started, time.perf_counter() - started)
             return final
-        dcp.save(state, checkpoint_id=str(partial))
-        self._finish(partial, final, manifest)
+        self._finish(partial, final, manifest, save_shards(state, partial))
         return final
 
-    def _write(self, host_state: dict[str, Any], partial: Path) -> None:
-        """The writer thread: wait for the host copy, then write this rank's shards."""
+    def _write(self, host_state: dict[str, Any], partial: Path) -> dict[str, dict[str, int]]:
+        """The writer thread: wait for the host copy, then write and digest this rank's shards."""
         self._staging.copied()
-        dcp.save(host_state, checkpoint_id=str(partial), process_group=self._group)
+        return save_shards(host_state, partial, self._group)
 
     def wait_for_staging(self) -> None:
         """Hold the state's next update until a pending save has copied it: call before the optimizer step."""
@@ -253,16 +270,13 @@ class Checkpointer:
         if pending is None:
             return None
         waited = time.perf_counter()
-        pending.upload.result()
-        self._finish(pending.partial, pending.final, pending.manifest)
+        self._finish(pending.partial, pending.final, pending.manifest, pending.upload.result())
         return {"path": pending.final, "step": pending.manifest["step"], "total_s": time.perf_counter() - pending.started,
                 "stage_s": pending.stage_s, "wait_s": time.perf_counter() - waited}
 
-    def _finish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
-        """Once every rank has written: digest the files, write the manifest, publish by renaming."""
+    def _finish(self, partial: Path, final: Path, manifest: dict[str, Any], files: dict[str, dict[str, int]]) -> None:
+        """Once every rank has written (and digested) its files: write the manifest, publish by renaming."""
         rank = dist.get_rank()
-        dist.barrier()  # DCP's .metadata is complete only now
-        files = digest(partial, written_by(partial, rank))
         if faults.active("kill_in_save", manifest["step"]):
             faults.kill_self()
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]

@@ -1,0 +1,64 @@
+"""What a save writes: several shard files per rank, each in the manifest with its digest, and
+for asynchronous saves the digests are computed off the training thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pretrain import checkpoint
+from pretrain.checkpoint import Checkpointer, crc32_of, problems, read_manifest
+from pretrain.config import ModelConfig
+
+
+@pytest.fixture
+def one_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_shards_are_written_by_several_threads_and_digested_off_the_training_thread(
+        tmp_path, one_process_group, monkeypatch, async_save):
+    monkeypatch.setattr(checkpoint, "writer_threads", lambda: 3)
+    digesting_threads = []
+    digest = checkpoint.digest
+    monkeypatch.setattr(checkpoint, "digest", lambda *a: digesting_threads.append(threading.current_thread()) or digest(*a))
+    model, optimizer = model_and_optimizer()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    saver = Checkpointer(tmp_path, keep=2, async_save=async_save)
+    path = saver.save(7, model, optimizer, {"step": 7}, ModelConfig(), "hash")
+    saver.wait()
+
+    shards = sorted(p.name for p in path.glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    files = read_manifest(path)["files"]
+    assert set(shards) <= set(files) and ".metadata" in files
+    assert all(files[name]["crc32"] == crc32_of(path / name) for name in files)
+    assert problems(path) == []
+    assert (threading.main_thread() in digesting_threads) != async_save
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    saver.load(path, model, optimizer)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name

@@ -208,10 +208,22 @@ class Checkpointer:
         self.keep = keep
         self.async_save = async_save
         self.pending: PendingSave | None = None
+        self.phases: dict[str, float] = {}  # seconds of the last save's parts, for the log
         if async_save:
             self._group = _cpu_group()
             self._staging = HostStaging(device or torch.device("cpu"))
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+            self._prepared: Future | None = None
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Allocate the host buffers of asynchronous saves in the background, ahead of the first save.
+
+        Call once the optimizer has state (after the first step). Pinning a model's worth of host
+        memory takes seconds; done here it overlaps training instead of blocking the first save.
+        """
+        if self.async_save and self._prepared is None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            self._prepared = self._writer.submit(self._staging.allocate, {"model": model_sd, "optim": optim_sd})
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
              model_cfg: ModelConfig, config_hash: str) -> Path:
@@ -229,13 +241,21 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             (partial / "rng").mkdir(parents=True)
         dist.barrier()
+        barrier_done = time.perf_counter()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        self.phases = {"barrier": barrier_done - started, "state dict": time.perf_counter() - barrier_done}
         torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
         manifest = {"step": step, "world_size": dist.get_world_size(), "config_hash": config_hash,
                     "model_shape": model_shape(model_cfg), "train_state": train_state}
         if self.async_save:
+            waiting = time.perf_counter()
+            if self._prepared is not None:
+                self._prepared.result()  # the buffers are being allocated: never twice at once
+            copying = time.perf_counter()
+            self.phases["waiting for buffers"] = copying - waiting
             host_state = self._staging.copy(state)
+            self.phases["starting the copy"] = time.perf_counter() - copying
             upload = self._writer.submit(self._write, host_state, partial)
             self.pending = PendingSave(partial, final, manifest, upload, started, time.perf_counter() - started)
             return final

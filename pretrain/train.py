@@ -266,7 +266,9 @@ class Trainer:
         self.settle_skips()
         self.published(self.checkpointer.wait())
         started = time.perf_counter()
-        if not params_finite(self.model, self.device):
+        finite = params_finite(self.model, self.device)
+        checked = time.perf_counter() - started
+        if not finite:
             raise TrainingError(f"parameters are not finite at step {self.state.step}: refusing to write a checkpoint "
                                 "(the previous one is intact)")
         extra = {"scaler": self.scaler.state_dict()} if self.scaler.enabled else {}
@@ -274,7 +276,8 @@ class Trainer:
                                       self.cfg.model, config_hash(self.cfg))
         seconds = time.perf_counter() - started
         if self.checkpointer.async_save:
-            log.info("checkpoint started (%.1f s): %s", seconds, path)
+            parts = ", ".join(f"{name} {s:.2f} s" for name, s in {"finite check": checked, **self.checkpointer.phases}.items())
+            log.info("checkpoint started (%.2f s: %s): %s", seconds, parts, path)
             return path
         log.info("checkpoint saved in %.1f s: %s", seconds, path)
         if self.env.is_main:
@@ -314,6 +317,7 @@ class Trainer:
             loss_t, grad_norm = self.train_step()
             if self.state.step == start_step + 1:
                 watchdog.start()  # after the first step: compile and warm-up are bounded by the collective timeout
+                self.checkpointer.prepare(self.model, self.optimizer)
             watchdog.beat(self.state.step)
             window_steps += 1
             step = self.state.step

@@ -161,3 +161,7 @@ def test_host_staging_keeps_the_saved_state_and_reuses_its_buffers(device):
     staging.copied()
     assert again["model"]["w"].data_ptr() == buffer  # one allocation for the run, not one per save
     assert torch.equal(again["model"]["w"], weight.cpu()) and again["optim"]["lr"] == 5e-4
+    moment = torch.randn(1024, 256, device=device)  # optimizer state that did not exist before
+    grown = staging.copy({"model": {"w": weight}, "optim": {"lr": 5e-4, "exp_avg": moment}})
+    staging.copied()
+    assert torch.equal(grown["optim"]["exp_avg"], moment.cpu()) and torch.equal(grown["model"]["w"], weight.cpu())

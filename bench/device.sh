@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
-#   bash bench/device.sh gpu-tests|gemm|checkpoint|8b-mb2|8b-mb2-noac|1b-mb12|1b-mb10
+#   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT.
 # Results and logs go to $OUT/results; copy them into bench/results/ afterwards.
 set -uo pipefail
@@ -22,9 +22,12 @@ for phase in "$@"; do
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \
                   --out "$results" --runs /tmp/bench-runs 2>&1 | tail -12 ;;
+    checkpoint-async) python3 bench/checkpoint_cost.py --async-only --name checkpoint_async --async-every 110 --async-steps 240 \
+                  --out "$results" --runs /tmp/bench-runs 2>&1 | tail -12 ;;
     8b-mb2)     python3 bench/throughput.py 8b-2gpu --name 8b-2gpu-mb2 --out "$results" train.micro_batch=2 2>&1 | tail -6 ;;
     8b-mb2-noac) python3 bench/throughput.py 8b-2gpu --name 8b-2gpu-mb2-noac --out "$results" train.micro_batch=2 \
                   fsdp.activation_checkpointing=none 2>&1 | tail -6 ;;
+    1b-1gpu|1b-2gpu|8b-2gpu) python3 bench/throughput.py $phase --out "$results" 2>&1 | tail -4 ;;
     1b-mb*)     mb=${phase#1b-mb}
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
     *) echo "unknown phase $phase"; exit 2 ;;

@@ -23,9 +23,13 @@ from torch.distributed.tensor import DTensor
 def host_buffers(state: Any, pin: bool) -> Any:
     """Empty host tensors shaped like every tensor of `state` (DTensors keep their sharding)."""
     if isinstance(state, DTensor):
-        local = host_buffers(state.to_local(), pin)
-        return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
-                                  shape=state.shape, stride=state.stride())
+        # from_local moves a host tensor to the mesh's device: build the DTensor around a meta
+        # tensor, then give it the host one (as torch's own _create_cpu_state_dict does).
+        local = state.to_local()
+        hosted = DTensor.from_local(torch.empty_like(local, device="meta"), state.device_mesh, state.placements,
+                                    run_check=False, shape=state.shape, stride=state.stride())
+        hosted._local_tensor = host_buffers(local, pin)
+        return hosted
     if isinstance(state, torch.Tensor):
         return torch.empty(state.shape, dtype=state.dtype, pin_memory=pin)
     if isinstance(state, dict):

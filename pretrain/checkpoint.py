@@ -16,10 +16,10 @@ memory that the next optimizer step waits for on the GPU), a background thread w
 shards with `dcp.save` over a gloo group of its own, and the folder is published, by the same
 barrier, manifest and rename, once every rank has finished writing (`poll`, `wait`).
 
-Each rank writes its shards as several files with as many threads (`writer_threads`): one
-writer thread per rank left a 17 GiB 1B-shape save at about 30 s. The manifest lists every file
-of the checkpoint with its size and CRC32; each rank digests the files it wrote, in parallel and,
-for asynchronous saves, in the writer thread, so training never waits for the digests. `verify` checks them before a load; the training start falls back to the
+Each rank writes its shards as several files with as many threads (`writer_threads`). The
+manifest lists every file of the checkpoint with its size and CRC32; each rank digests the files
+it wrote, in parallel and, for asynchronous saves, in the writer thread, so training never waits
+for the digests. `verify` checks them before a load; the training start falls back to the
 previous checkpoint when the newest is damaged, and renames the damaged one aside (`.damaged`),
 never deleting it.
 """

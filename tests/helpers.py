@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,17 @@ def processes_with_env(**wanted: str) -> list[int]:
         if all(env.get(k) == v for k, v in wanted.items()):
             pids.append(int(entry.name))
     return pids
+
+
+@contextmanager
+def one_process_group(backend: str = "gloo"):
+    """A world of one process (this one), for code that calls torch.distributed collectives."""
+    import torch.distributed as dist
+
+    from pretrain.distributed import free_port
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

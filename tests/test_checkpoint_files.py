@@ -3,26 +3,21 @@ for asynchronous saves the digests are computed off the training thread."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pretrain import checkpoint
 from pretrain.checkpoint import Checkpointer, crc32_of, problems, read_manifest
 from pretrain.config import ModelConfig
+from tests import helpers
 
 
 @pytest.fixture
 def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with helpers.one_process_group():
+        yield
 
 
 def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -170,25 +170,16 @@ def test_host_staging_keeps_the_saved_state_and_reuses_its_buffers(device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_host_buffers_of_sharded_tensors_stay_on_the_host(device):
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from pretrain.staging import host_buffers
+    from tests.helpers import one_process_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
-    try:
+    with one_process_group("nccl" if device == "cuda" else "gloo"):
         mesh = init_device_mesh(device, (1,))
         sharded = distribute_tensor(torch.randn(64, 32, device=device), mesh, [Shard(0)])
         hosted = host_buffers({"w": sharded}, pin=device == "cuda")["w"]
         assert isinstance(hosted, DTensor) and hosted.placements == sharded.placements
         assert hosted.to_local().device.type == "cpu" and hosted.to_local().is_pinned() == (device == "cuda")
         assert hosted.shape == sharded.shape
-    finally:
-        dist.destroy_process_group()

@@ -7,8 +7,10 @@ Layout of a run's checkpoints:
 Every rank writes its shards into the `.partial` folder; after a barrier, rank 0 writes
 manifest.json (the training state and the model shape) and renames the folder. A crash at any
 moment therefore leaves either the previous complete checkpoint or the new one, never a
-half-written folder that looks complete. DCP reshards on load, so a checkpoint written by N
-processes loads into any other number.
+half-written folder that looks complete. Deletion runs the other way round: a folder is first
+renamed out of the complete ones (`.removing`), then its files are deleted, so a crash while
+old checkpoints are pruned leaves no folder that looks complete with files missing. DCP
+reshards on load, so a checkpoint written by N processes loads into any other number.
 
 Asynchronous saves (train.async_checkpoint) keep that order: the state is copied into host
 buffers kept for the whole run (`staging.HostStaging`: on GPUs a side-stream copy into pinned
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 DAMAGED = ".damaged"
+REMOVING = ".removing"
 # The model fields that decide the shapes of the saved tensors.
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
 
@@ -99,12 +102,41 @@ def check_compatible(path: Path, cfg: ModelConfig) -> None:
         )
 
 
-def remove_partials(root: Path) -> None:
-    """Drop folders left by saves that never finished (rank 0 only, before training starts)."""
-    if root.is_dir():
-        for path in root.glob(f"step_*{PARTIAL}"):
+def tidy(root: Path) -> None:
+    """Settle what a crash left behind (rank 0 only, before training starts).
+
+    A `.partial` folder whose manifest was written is a finished save that the crash kept from
+    being renamed: it is published. Any other `.partial` folder is an unfinished save and is
+    removed, as are folders whose deletion was under way (`.removing`).
+    """
+    if not root.is_dir():
+        return
+    for path in sorted(root.glob(f"step_*{PARTIAL}")):
+        final = path.with_name(path.name[: -len(PARTIAL)])
+        if (path / MANIFEST).is_file() and not final.exists():
+            log.warning("publishing checkpoint %s, finished before the crash", final)
+            os.replace(path, final)
+        else:
             log.warning("removing unfinished checkpoint %s", path)
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path)
+    for path in root.glob(f"step_*{REMOVING}"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint folder: renamed out of the complete ones first, then its files."""
+    doomed = path.with_name(path.name + REMOVING)
+    shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier crash
+    os.replace(path, doomed)
+    for file in sorted(p for p in doomed.rglob("*") if p.is_file()):
+        file.unlink()
+        if faults.active("kill_in_remove", _step_of(path)):
+            faults.kill_self()
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split(".")[0].removeprefix("step_"))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -185,7 +217,10 @@ def verify(path: Path) -> list[str]:
 
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint so it is never loaded again but stays on disk for inspection."""
-    target = path.with_name(path.name + DAMAGED)
+    target, n = path.with_name(path.name + DAMAGED), 1
+    while target.exists():  # the same step damaged before, e.g. written again after a fallback
+        n += 1
+        target = path.with_name(f"{path.name}{DAMAGED}-{n}")
     os.replace(path, target)
     return target
 
@@ -314,13 +349,13 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, partial / MANIFEST)
-        if final.exists():  # the same step saved again (e.g. a preemption at a checkpoint step)
-            shutil.rmtree(final)
+        if final.exists():  # the same step saved again; a crash here leaves the new one to `tidy`
+            remove(final)
         os.replace(partial, final)
 
     def _prune(self) -> None:
         for old in complete_checkpoints(self.root)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove(old)
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""

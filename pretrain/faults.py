@@ -5,6 +5,8 @@ PRETRAIN_FAULTS is a comma-separated list of NAME@WHEN, e.g. "nan_loss@5,nan_gra
   nan_grad@STEPS       one gradient element of those steps becomes NaN (rank 0)
   kill_in_save@STEPS   the process kills itself (SIGKILL) after writing its shards of that step's
                        checkpoint, before the checkpoint is published
+  kill_in_remove@STEPS the process kills itself after deleting the first file of that step's
+                       checkpoint when it is pruned (or replaced)
 STEPS is N or A-B (inclusive). Faults of a node or rank name WHERE instead, a node (Slurm's node
 name, else the hostname) or rankN:
   preflight_fail@WHERE the preflight check's matrix product there comes out wrong (one entry changed

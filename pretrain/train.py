@@ -137,7 +137,7 @@ class Trainer:
         """Load the newest intact checkpoint; damaged ones are reported, set aside and skipped."""
         root = self.run_dir / "checkpoints"
         if self.env.is_main:
-            checkpoint.remove_partials(root)
+            checkpoint.tidy(root)
             preemption.clear_requeue_request(self.run_dir)
         dist.barrier()
         for path in reversed(checkpoint.complete_checkpoints(root)):

@@ -57,3 +57,35 @@ def test_shards_are_written_by_several_threads_and_digested_off_the_training_thr
     saver.load(path, model, optimizer)
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_tidy_publishes_finished_saves_and_removes_the_rest(tmp_path, one_process_group):
+    model, optimizer = model_and_optimizer()
+    saved = Checkpointer(tmp_path, keep=5).save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")
+    finished = saved.rename(saved.with_name(saved.name + ".partial"))  # killed between the manifest and the rename
+    unfinished = tmp_path / "step_00000005.partial"
+    (unfinished / "rng").mkdir(parents=True)
+    half_deleted = tmp_path / "step_00000001.removing"
+    half_deleted.mkdir()
+    (half_deleted / "manifest.json").write_text("{}")
+
+    checkpoint.tidy(tmp_path)
+
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
+    assert not finished.exists() and problems(saved) == []
+
+
+def test_the_same_step_saved_again_replaces_the_first(tmp_path, one_process_group):
+    model, optimizer = model_and_optimizer()
+    saver = Checkpointer(tmp_path, keep=5)
+    saver.save(3, model, optimizer, {"step": 3}, ModelConfig(), "first")
+    path = saver.save(3, model, optimizer, {"step": 3}, ModelConfig(), "second")
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
+    assert read_manifest(path)["config_hash"] == "second" and problems(path) == []
+
+
+def test_a_step_damaged_twice_is_kept_twice(tmp_path):
+    for _ in range(2):
+        (tmp_path / "step_00000004").mkdir()
+        checkpoint.set_aside(tmp_path / "step_00000004")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004.damaged", "step_00000004.damaged-2"]

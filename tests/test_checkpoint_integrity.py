@@ -51,6 +51,21 @@ def test_kill_9_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
     assert not list((run_dir / "checkpoints").glob("*.partial"))
 
 
+def test_kill_while_pruning_leaves_no_checkpoint_that_looks_complete(tmp_path):
+    run_dir = tmp_path / "run"
+    args = (*RUN, "train.steps=10", "train.ckpt_every=2", "train.ckpt_keep=2", f"hydra.run.dir={run_dir}")
+    killed = launch(*args, env={"PRETRAIN_FAULTS": "kill_in_remove@2"})  # step 2 is pruned when step 6 is published
+    assert killed.returncode == -signal.SIGKILL
+    root = run_dir / "checkpoints"
+    assert_every_complete_checkpoint_is_intact(root)
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000004", "step_00000006"]
+    assert (root / "step_00000002.removing").is_dir()  # killed with its files half deleted
+    resumed = launch(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step_00000006" in resumed.stdout
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000008", "step_00000010"]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
     whole, run_dir = tmp_path / "whole", tmp_path / "run"

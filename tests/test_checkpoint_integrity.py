@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from pretrain.checkpoint import complete_checkpoints, problems
-from tests.helpers import REPO, assert_same_losses, last_step_record, launch, losses
+from tests.helpers import MINI_MODEL, REPO, assert_same_losses, last_step_record, launch, losses
 
-RUN = ("precision=fp32", "train.log_every=1", "train.eval_every=0")
+SETTINGS = ("precision=fp32", "train.log_every=1", "train.eval_every=0")
+RUN = (*SETTINGS, *MINI_MODEL)
 
 
 def assert_every_complete_checkpoint_is_intact(root) -> None:
@@ -23,7 +24,8 @@ def assert_every_complete_checkpoint_is_intact(root) -> None:
 
 def test_kill_9_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "pretrain.launch", *RUN, "train.steps=40", "train.ckpt_every=2",
+    # The default model: its steps are slow enough that the kills land inside training and saves.
+    args = [sys.executable, "-m", "pretrain.launch", *SETTINGS, "train.steps=40", "train.ckpt_every=2",
             "train.ckpt_keep=3", f"hydra.run.dir={run_dir}"]
     rng = random.Random(7)
     kills_in_save = 0

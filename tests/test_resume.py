@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from tests.helpers import assert_same_losses, last_step_record, launch, losses
+from tests.helpers import MINI_MODEL, assert_same_losses, last_step_record, launch, losses
 
-RUN = ("train.steps=20", "train.log_every=1", "train.ckpt_every=5", "train.eval_every=0", "precision=fp32")
+RUN = ("train.steps=20", "train.log_every=1", "train.ckpt_every=5", "train.eval_every=0", "precision=fp32", *MINI_MODEL)
 
 
 def test_stopped_at_step_10_and_resumed_matches_uninterrupted(tmp_path):

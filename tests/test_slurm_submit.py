@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, last_step_record, launch, losses
+from tests.helpers import MINI_MODEL, REPO, last_step_record, launch, losses
 from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -114,7 +114,7 @@ def test_dry_run_quotes_values_instead_of_running_them(tmp_path):
 def test_sweep_is_one_job_array(slurm_cluster, cluster_conf, tmp_path):
     sweep = tmp_path / "sweep"
     result = submit(slurm_cluster, cluster_conf, "-m", "optim.lr=1e-3,2e-3,4e-3", "cluster.nodes=1",
-                    "train.steps=6", *TRAIN, f"hydra.sweep.dir={sweep}")
+                    "train.steps=6", *TRAIN, *MINI_MODEL, f"hydra.sweep.dir={sweep}")
     assert result.returncode == 0, result.stderr + result.stdout
     run_dirs = sorted(p.parent for p in sweep.glob("*/jobs.json"))
     assert len(run_dirs) == 3
@@ -130,7 +130,7 @@ def test_sweep_is_one_job_array(slurm_cluster, cluster_conf, tmp_path):
     assert rates == {1e-3, 2e-3, 4e-3}
 
 
-PREEMPT = ("train.steps=30", "train.ckpt_every=10", *TRAIN)
+PREEMPT = ("train.steps=30", "train.ckpt_every=10", *TRAIN, *MINI_MODEL)
 
 
 @pytest.fixture(scope="module")

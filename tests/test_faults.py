@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import REPO, losses, processes_with_env
+from tests.helpers import MINI_MODEL, REPO, losses, processes_with_env
 
 RUN = ("local.nproc=2", "precision=fp32", "train.steps=40", "train.log_every=1", "train.ckpt_every=5",
        "train.eval_every=0")
@@ -39,7 +39,7 @@ def rank_pid(run_dir, rank: int) -> int:
 
 def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir)
+    proc = start(run_dir, *MINI_MODEL)
     wait_for_step(run_dir, 12, proc)
     killed_at = time.monotonic()
     os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
@@ -47,8 +47,8 @@ def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - killed_at < 30
     assert "rank 1 exited with code -9" in err and str(run_dir / "logs" / "rank1.log") in err
-    rerun = subprocess.run([sys.executable, "-m", "pretrain.launch", *RUN, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                           capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run([sys.executable, "-m", "pretrain.launch", *RUN, *MINI_MODEL, f"hydra.run.dir={run_dir}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed from" in rerun.stdout
     assert sorted(losses(run_dir)) == list(range(1, 41))

@@ -128,9 +128,10 @@ def remove(path: Path) -> None:
     doomed = path.with_name(path.name + REMOVING)
     shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier crash
     os.replace(path, doomed)
+    killed_midway = faults.active("kill_in_remove", _step_of(path))
     for file in sorted(p for p in doomed.rglob("*") if p.is_file()):
         file.unlink()
-        if faults.active("kill_in_remove", _step_of(path)):
+        if killed_midway:
             faults.kill_self()
     shutil.rmtree(doomed, ignore_errors=True)
 

@@ -1,13 +1,15 @@
 """Does bf16 (and fp16 with loss scaling) train like fp32? Loss curves of one seed on real text.
 
     python bench/correctness.py [--steps 100] [--out bench/results]
+    python bench/correctness.py --runs-of bf16 fp8 fp8-rowwise --name correctness-fp8
 
 Runs of `python -m pretrain.launch` on the built-in corpus (data.path=null), the same model,
 seed, data order and settings, differing only in precision: fp32 (eager; the reference), bf16
 compiled (as the benchmarks run) and eager (to tell compilation from rounding), and fp16
 compiled with a deliberately high initial loss scale, so that the first steps overflow and
 are skipped. A second fp32 run with another seed gives the run-to-run spread as a yardstick.
-Every step is logged. bf16 passes if its loss is within TOLERANCE of fp32's at every step;
+FP8 runs (`--runs-of fp8 ...`) compare the float8 recipes the same way.
+Every step is logged. bf16 (and FP8) passes if its loss is within TOLERANCE of fp32's at every step;
 fp16 if it never diverges (finite losses, final loss within FP16_FINAL_TOLERANCE of fp32's);
 its skipped steps and final loss scale are reported.
 """
@@ -31,7 +33,11 @@ RUNS = {"fp32": ["precision=fp32", "fsdp.compile=false"],
         "fp32-seed2": ["precision=fp32", "fsdp.compile=false", "train.seed=1235"],
         "bf16": ["precision=bf16", "fsdp.compile=true"],
         "bf16-eager": ["precision=bf16", "fsdp.compile=false"],
-        "fp16": ["precision=fp16", "fsdp.compile=true", "precision.init_scale=1e9"]}
+        "fp16": ["precision=fp16", "fsdp.compile=true", "precision.init_scale=1e9"],
+        "fp8": ["precision=fp8", "fsdp.compile=true"],
+        "fp8-rowwise": ["precision=fp8", "precision.float8=rowwise", "fsdp.compile=true"]}
+# The runs of one call by default; --runs-of picks others (fp32 is always run: the reference).
+DEFAULT_RUNS = ("fp32", "fp32-seed2", "bf16", "bf16-eager", "fp16")
 
 
 def base_overrides(model: str, steps: int) -> list[str]:
@@ -65,15 +71,16 @@ def table(result: dict[str, Any]) -> str:
     rows = ["| step | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
     for step in marks:
         rows.append(f"| {step} | " + " | ".join(f"{c.get(step, float('nan')):.4f}" for c in curves.values()) + " |")
-    b, f = result["bf16_vs_fp32"], result["fp16_vs_fp32"]
     rows += [""] + [f"{name} vs fp32: max |diff| {c['max_abs_diff']:.4f} (step {c['worst_step']}), mean "
-                    f"{c['mean_abs_diff']:.4f}" for name, c in result["vs_fp32"].items()]
-    rows += ["", f"bf16 vs fp32: tolerance max({TOLERANCE['abs']}, {TOLERANCE['rel']:.0%} of the fp32 loss) at "
-             f"every step: {'PASS' if b['within_tolerance'] else 'FAIL'}",
-             f"fp16 vs fp32: max |diff| {f['max_abs_diff']:.4f}, final loss within {FP16_FINAL_TOLERANCE:.0%}: "
-             f"{'PASS' if result['fp16_ok'] else 'FAIL'}; skipped steps {result['fp16_skipped_steps']}, "
-             f"final loss scale {result['fp16_loss_scale']}",
-             "", "commands:"] + [f"- `{c}`" for c in result["commands"].values()]
+                    f"{c['mean_abs_diff']:.4f}; tolerance max({TOLERANCE['abs']}, {TOLERANCE['rel']:.0%} of the fp32 "
+                    f"loss) at every step: {'PASS' if c['within_tolerance'] else 'FAIL'}"
+                    for name, c in result["vs_fp32"].items()]
+    if "fp16" in curves:
+        f = result["vs_fp32"]["fp16"]
+        rows += ["", f"fp16 vs fp32: max |diff| {f['max_abs_diff']:.4f}, final loss within {FP16_FINAL_TOLERANCE:.0%}: "
+                 f"{'PASS' if result['fp16_ok'] else 'FAIL'}; skipped steps {result['fp16_skipped_steps']}, "
+                 f"final loss scale {result['fp16_loss_scale']}"]
+    rows += ["", "commands:"] + [f"- `{c}`" for c in result["commands"].values()]
     return "\n".join(rows)
 
 
@@ -84,10 +91,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--runs-of", nargs="+", choices=list(RUNS), default=list(DEFAULT_RUNS),
+                        help="which runs to compare with fp32")
+    parser.add_argument("--name", default="correctness", help="result files NAME.json and NAME.md")
     args = parser.parse_args()
 
+    names = ["fp32"] + [name for name in args.runs_of if name != "fp32"]
     curves, commands, records = {}, {}, {}
-    for name, precision in RUNS.items():
+    for name in names:
+        precision = RUNS[name]
         overrides = base_overrides(args.model, args.steps) + precision
         ran = common.launch(overrides, args.runs / f"correctness-{name}", args.timeout,
                             args.out / f"correctness-{name}.log")
@@ -95,20 +107,21 @@ def main() -> int:
         curves[name] = losses(records[name])
         commands[name] = ran["command"]
         print(name, ran["exit_code"], ran["wall_s"], "s", f"final loss {curves[name].get(args.steps)}", flush=True)
-    fp16_last = [r for r in records["fp16"] if "loss" in r][-1:] or [{}]
-    fp32_final = curves["fp32"].get(args.steps, math.nan)
-    fp16_final = curves["fp16"].get(args.steps, math.nan)
     result = {
         **common.stamp(), "model": args.model, "steps": args.steps, "tolerance": TOLERANCE, "commands": commands,
-        "losses": curves, "bf16_vs_fp32": compare(curves["fp32"], curves["bf16"]),
-        "fp16_vs_fp32": compare(curves["fp32"], curves["fp16"]),
-        "vs_fp32": {name: compare(curves["fp32"], curves[name]) for name in RUNS if name != "fp32"},
-        "fp16_ok": math.isfinite(fp16_final) and abs(fp16_final - fp32_final) <= FP16_FINAL_TOLERANCE * fp32_final,
-        "fp16_skipped_steps": fp16_last[0].get("skipped_steps"), "fp16_loss_scale": fp16_last[0].get("loss_scale"),
+        "losses": curves, "vs_fp32": {name: compare(curves["fp32"], curves[name]) for name in names if name != "fp32"},
     }
-    common.write_result(args.out, "correctness", result, table(result))
+    passed = all(c["within_tolerance"] for name, c in result["vs_fp32"].items() if name.startswith(("bf16", "fp8")))
+    if "fp16" in curves:
+        fp16_last = [r for r in records["fp16"] if "loss" in r][-1:] or [{}]
+        fp32_final = curves["fp32"].get(args.steps, math.nan)
+        fp16_final = curves["fp16"].get(args.steps, math.nan)
+        result.update(fp16_ok=math.isfinite(fp16_final) and abs(fp16_final - fp32_final) <= FP16_FINAL_TOLERANCE * fp32_final,
+                      fp16_skipped_steps=fp16_last[0].get("skipped_steps"), fp16_loss_scale=fp16_last[0].get("loss_scale"))
+        passed = passed and result["fp16_ok"]
+    common.write_result(args.out, args.name, result, table(result))
     print(table(result))
-    return 0 if result["bf16_vs_fp32"]["within_tolerance"] and result["fp16_ok"] else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

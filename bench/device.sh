@@ -1,11 +1,28 @@
 #!/usr/bin/env bash
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
-# Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT.
+#                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|correctness-fp8
+# Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
+# the fp8 phases need torchao's wheel there too (a second version in .whl-ao/ is tried if the first
+# cannot convert a layer on this torch).
 # Results and logs go to $OUT/results; copy them into bench/results/ afterwards.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+fp8_works() {
+  python3 -c "import torch; from pretrain import float8; m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)).cuda().bfloat16(); \
+float8.convert(m, 'rowwise'); m(torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)).sum().backward()" 2>&1 | tail -2
+}
+# Once per machine: several calls of this script may run side by side on different GPUs.
+if [ ! -e /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  if ls .whl/torchao-* > /dev/null 2>&1 && ! fp8_works; then
+    echo "torchao $(ls .whl/torchao-*) failed here; trying .whl-ao/"
+    rm -rf /tmp/site/torchao*
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ao/*.whl
+    fp8_works
+  fi
+  touch /tmp/site/.installed
+fi
 # The device tool's NVLink multicast must stay off (its KINDS.md says why).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -28,6 +45,12 @@ for phase in "$@"; do
     8b-mb2-noac) python3 bench/throughput.py 8b-2gpu --name 8b-2gpu-mb2-noac --out "$results" train.micro_batch=2 \
                   fsdp.activation_checkpointing=none 2>&1 | tail -6 ;;
     1b-1gpu|1b-2gpu|8b-2gpu) python3 bench/throughput.py $phase --out "$results" 2>&1 | tail -4 ;;
+    fp8-1gpu)   python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-fp8 --out "$results" precision=fp8 2>&1 | tail -4 ;;
+    fp8-rowwise-1gpu) python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-fp8-rowwise --out "$results" precision=fp8 \
+                  precision.float8=rowwise 2>&1 | tail -4 ;;
+    fp8-2gpu)   python3 bench/throughput.py 1b-2gpu --name 1b-2gpu-fp8 --out "$results" precision=fp8 2>&1 | tail -4 ;;
+    correctness-fp8) python3 bench/correctness.py --runs-of bf16 fp8 fp8-rowwise --name correctness-fp8 \
+                  --out "$results" 2>&1 | tail -8 ;;
     1b-mb*)     mb=${phase#1b-mb}
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
     *) echo "unknown phase $phase"; exit 2 ;;

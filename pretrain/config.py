@@ -13,6 +13,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 CHECKPOINTING = ("none", "selective", "full")
 
@@ -56,6 +57,9 @@ class FSDPConfig:
 class PrecisionConfig:
     # auto: bf16 on a GPU that has it, fp32 elsewhere.
     name: str = "auto"
+    # FP8 matmuls in the blocks' linear layers (pretrain/float8.py): none, tensorwise or rowwise.
+    # Needs bf16, torchao and an H100/H200-class GPU.
+    float8: str = "none"
     # fp16 only: dynamic loss scaling.
     init_scale: float = 65536.0
     growth_interval: int = 1000

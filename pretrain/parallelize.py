@@ -1,4 +1,4 @@
-"""Apply FSDP2, activation checkpointing and torch.compile to a built model.
+"""Apply FP8 matmuls, FSDP2, activation checkpointing and torch.compile to a built model.
 
 The model knows nothing of this; the training loop calls `build_mesh` and `parallelize`.
 Sharding strategies map onto FSDP2 (`fully_shard`) as follows:
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pretrain import float8
 from pretrain.config import FSDPConfig
 
 try:  # torch >= 2.6 exports FSDP2 here; 2.4-2.5 kept it under _composable.
@@ -68,7 +69,8 @@ def _save_matmuls_policy():
     """Selective checkpointing: save matmul and attention outputs, recompute the cheap pointwise ops."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    saved = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+    saved = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
              torch.ops.aten._scaled_dot_product_efficient_attention.default,
              torch.ops.aten._scaled_dot_product_cudnn_attention.default}
 
@@ -159,7 +161,11 @@ def sync_gradients(model: nn.Module, mesh: DeviceMesh, last_micro_batch: bool) -
         model.set_requires_all_reduce(last_micro_batch)
 
 
-def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype) -> nn.Module:
+def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype,
+                float8_recipe: str = "none") -> nn.Module:
+    """In this order: FP8 layers replace nn.Linear before anything wraps them; activation
+    checkpointing wraps blocks before compile traces them; FSDP2 shards what compile produced."""
+    float8.convert(model, float8_recipe)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)

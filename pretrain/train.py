@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, config, distributed, faults, flops, logs, precision, preflight
+from pretrain import checkpoint, config, distributed, faults, float8, flops, logs, precision, preflight
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import Config
 from pretrain import run_data as source
@@ -62,7 +62,7 @@ def build_model(cfg: Config, device: torch.device, mesh) -> torch.nn.Module:
     if small:
         model.init_weights()
     dtype = precision.compute_dtype(cfg.precision.name, device)
-    parallelize(model, cfg.fsdp, mesh, dtype)
+    parallelize(model, cfg.fsdp, mesh, dtype, cfg.precision.float8)
     if not small:
         model.to_empty(device=device)
         model.init_weights()
@@ -98,6 +98,13 @@ class Trainer:
         self.stop = preemption.StopRequest()
         self.stop.install()
         self.run_dir = Path(cfg.run_dir)
+        try:
+            float8.require(cfg.precision.float8, device)
+        except float8.Float8Unavailable as error:
+            raise TrainingError(str(error)) from error
+        if cfg.precision.float8 != "none" and not cfg.fsdp.compile:
+            log.warning("precision.float8 without fsdp.compile: the FP8 casts run as separate kernels and are "
+                        "usually slower than bf16; set fsdp.compile=true")
         failure = preflight.run(cfg, env.rank, env.world_size, device)
         if failure:
             raise TrainingError(failure)
@@ -300,14 +307,19 @@ class Trainer:
         resumed = self.resume()
         self.wandb.start(self.state.restarts)
         train = self.cfg.train
-        log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s, "
+        log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s%s, "
                  "fsdp %s", self.cfg.model.name, f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size,
-                 self.accum, train.micro_batch, self.precision, self.cfg.fsdp.strategy)
+                 self.accum, train.micro_batch, self.precision, self._float8_note(), self.cfg.fsdp.strategy)
         watchdog = StepWatchdog(train.hang_timeout_s)
         try:
             return self._loop(resumed, watchdog)
         finally:
             watchdog.stop()
+
+    def _float8_note(self) -> str:
+        if self.cfg.precision.float8 == "none":
+            return ""
+        return f" with {self.cfg.precision.float8} FP8 matmuls in {float8.count(self.model)} linear layers"
 
     def _loop(self, last_ckpt: Path | None, watchdog: StepWatchdog) -> dict[str, Any]:
         train = self.cfg.train

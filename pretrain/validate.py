@@ -101,6 +101,10 @@ def validate_precision(cfg: Config, has_cuda: bool) -> None:
     if cfg.precision.name == "fp16" and not has_cuda:
         raise ConfigError("precision=fp16 needs a CUDA GPU (fp16 matmuls and loss scaling) and none is visible "
                           "here; use precision=bf16 or fp32 on CPUs")
+    _one_of("precision.float8", cfg.precision.float8, config.FLOAT8_RECIPES)
+    if cfg.precision.float8 != "none" and cfg.precision.name not in ("bf16", "auto"):
+        raise ConfigError(f"precision.float8={cfg.precision.float8} runs the other operations in bf16, but "
+                          f"precision={cfg.precision.name}; use precision=bf16 with it (or precision=fp8)")
     _positive({"metrics.peak_flops": cfg.metrics.peak_flops})
 
 

@@ -45,3 +45,36 @@ def test_deferred_value_reads_what_the_device_computed():
     deferred = DeferredValue(value)
     value.zero_()  # later device work must not change what was taken
     assert deferred.get().item() == 6.0
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 matrix units (compute capability 8.9+)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_model_computes_what_bf16_computes_within_fp8_rounding(recipe):
+    pytest.importorskip("torchao.float8")
+    from pretrain import float8
+    from pretrain.config import ModelConfig
+    from pretrain.models.llama import Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="t", dim=256, n_layers=2, n_heads=4, ffn_hidden=768, vocab_size=512, max_seq_len=128)
+    with torch.device("cuda"):
+        reference = Transformer(cfg)
+        reference.init_weights()
+    model = Transformer(cfg).cuda()
+    model.load_state_dict(reference.state_dict())
+    float8.require(recipe, torch.device("cuda"))
+    assert float8.convert(model, recipe) == 2 * 7  # q, k, v, o, w1, w2, w3 per block; not the output layer
+    tokens = torch.randint(0, 512, (4, 128), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = reference(tokens).float()
+        compiled = torch.compile(model)
+        got = compiled(tokens).float()
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert 1e-4 < error < 0.1  # FP8's 3 mantissa bits: a few percent, never bitwise bf16
+    got.logsumexp(-1).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)

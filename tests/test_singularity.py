@@ -74,6 +74,8 @@ def test_definition_copies_and_installs_the_package(recipe):
     constraint = re.search(r"(?:-c|--constraint) (\S+)", pip[0]).group(1)
     assert re.search(r"echo \"torch==\$\(python3 -c 'import torch; print\(torch.__version__\)'\)\" > "
                      + re.escape(constraint), post)
+    # precision=fp8's torchao, pinned to the release made for the base image's torch 2.7.
+    assert " torchao==0.11.0 " in pip[0]
 
 
 def test_definition_installs_the_infiniband_userspace(recipe):

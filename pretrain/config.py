@@ -180,6 +180,9 @@ class ClusterConfig:
     signal_delay_s: int = 120
     # Memory of one GPU in GiB (nvidia-smi's MiB / 1024); null skips the launcher's memory check.
     gpu_mem_gb: Optional[float] = None
+    # Whether the GPUs have FP8 matrix units (H100, H200: true; A100: false), for precision=fp8;
+    # null: not known before the job starts, which then checks the GPU itself.
+    gpu_fp8: Optional[bool] = None
     env: dict[str, str] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)
     container: Optional[ContainerConfig] = None

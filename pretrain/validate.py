@@ -105,6 +105,9 @@ def validate_precision(cfg: Config, has_cuda: bool) -> None:
     if cfg.precision.float8 != "none" and cfg.precision.name not in ("bf16", "auto"):
         raise ConfigError(f"precision.float8={cfg.precision.float8} runs the other operations in bf16, but "
                           f"precision={cfg.precision.name}; use precision=bf16 with it (or precision=fp8)")
+    if cfg.precision.float8 != "none" and cfg.cluster is not None and cfg.cluster.gpu_fp8 is False:
+        raise ConfigError(f"precision.float8={cfg.precision.float8} needs FP8 matrix units (H100, H200), which the GPUs "
+                          f"of cluster {cfg.cluster.name} lack (cluster.gpu_fp8=false); use precision=bf16 there")
     _positive({"metrics.peak_flops": cfg.metrics.peak_flops})
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
-#                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|correctness-fp8
+#                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (a second version in .whl-ao/ is tried if the first
 # cannot convert a layer on this torch).
@@ -49,6 +49,8 @@ for phase in "$@"; do
     fp8-rowwise-1gpu) python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-fp8-rowwise --out "$results" precision=fp8 \
                   precision.float8=rowwise 2>&1 | tail -4 ;;
     fp8-2gpu)   python3 bench/throughput.py 1b-2gpu --name 1b-2gpu-fp8 --out "$results" precision=fp8 2>&1 | tail -4 ;;
+    fp8-8b)     python3 bench/throughput.py 8b-2gpu --name 8b-2gpu-mb2-fp8 --out "$results" train.micro_batch=2 \
+                  precision=fp8 2>&1 | tail -4 ;;
     correctness-fp8) python3 bench/correctness.py --runs-of bf16 fp8 fp8-rowwise --name correctness-fp8 \
                   --out "$results" 2>&1 | tail -8 ;;
     1b-mb*)     mb=${phase#1b-mb}

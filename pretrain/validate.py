@@ -102,7 +102,7 @@ def validate_precision(cfg: Config, has_cuda: bool) -> None:
         raise ConfigError("precision=fp16 needs a CUDA GPU (fp16 matmuls and loss scaling) and none is visible "
                           "here; use precision=bf16 or fp32 on CPUs")
     _one_of("precision.float8", cfg.precision.float8, config.FLOAT8_RECIPES)
-    if cfg.precision.float8 != "none" and cfg.precision.name not in ("bf16", "auto"):
+    if cfg.precision.float8 != "none" and cfg.precision.name != "bf16":
         raise ConfigError(f"precision.float8={cfg.precision.float8} runs the other operations in bf16, but "
                           f"precision={cfg.precision.name}; use precision=bf16 with it (or precision=fp8)")
     if cfg.precision.float8 != "none" and cfg.cluster is not None and cfg.cluster.gpu_fp8 is False:

@@ -25,10 +25,14 @@ class Float8Unavailable(RuntimeError):
     """float8 was asked for where it cannot run; the message says why and what to do."""
 
 
-def require(recipe: str, device: torch.device) -> None:
-    """Refuse, before any work starts, a run that cannot do FP8 matmuls here."""
+def require(recipe: str, device: torch.device, compiled: bool) -> None:
+    """Refuse, before any work starts, a run that cannot do FP8 matmuls here; warn of a slow one."""
     if recipe == "none":
         return
+    log = logging.getLogger("pretrain")
+    if not compiled:
+        log.warning("precision.float8 without fsdp.compile: the FP8 casts run as separate kernels and are "
+                    "usually slower than bf16; set fsdp.compile=true")
     try:
         import torchao.float8  # noqa: F401
     except ImportError as error:
@@ -43,16 +47,17 @@ def require(recipe: str, device: torch.device) -> None:
                 f"precision.float8={recipe} needs FP8 matrix units (compute capability 8.9 or later: H100, H200, "
                 f"L40S); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}. "
                 "Set precision.float8=none (bf16) on this GPU")
-    elif not _cpu_fp8_matmul():
+    elif not cpu_has_fp8_matmul():
         raise Float8Unavailable(f"precision.float8={recipe}: torch {torch.__version__} has no FP8 matmul on CPUs; "
                                 "FP8 is meant for H100-class GPUs. Set precision.float8=none")
     else:
-        logging.getLogger("pretrain").warning(
+        log.warning(
             "precision.float8=%s on CPUs: FP8 matmuls are emulated there, hundreds of times slower than bf16 "
             "(fit for tests of tiny models only)", recipe)
 
 
-def _cpu_fp8_matmul() -> bool:
+def cpu_has_fp8_matmul() -> bool:
+    """Whether this torch multiplies FP8 on CPUs (2.13 emulates it, 2.7 has none): tried, not guessed by version."""
     a = torch.ones(16, 16).to(torch.float8_e4m3fn)
     scale = torch.tensor(1.0)
     try:

@@ -99,12 +99,9 @@ class Trainer:
         self.stop.install()
         self.run_dir = Path(cfg.run_dir)
         try:
-            float8.require(cfg.precision.float8, device)
+            float8.require(cfg.precision.float8, device, cfg.fsdp.compile)
         except float8.Float8Unavailable as error:
             raise TrainingError(str(error)) from error
-        if cfg.precision.float8 != "none" and not cfg.fsdp.compile:
-            log.warning("precision.float8 without fsdp.compile: the FP8 casts run as separate kernels and are "
-                        "usually slower than bf16; set fsdp.compile=true")
         failure = preflight.run(cfg, env.rank, env.world_size, device)
         if failure:
             raise TrainingError(failure)

@@ -1,6 +1,6 @@
 """FP8 matmuls (precision=fp8): the package's path through torchao, on CPUs.
 
-torch 2.8+ emulates FP8 matmuls on CPUs (hundreds of times slower than bf16), enough for a model of
+Recent torch (2.13 here) emulates FP8 matmuls on CPUs (hundreds of times slower than bf16), enough for a model of
 a few layers; the GPU kernels' numbers are checked in tests/test_gpu.py and their speed in bench/.
 """
 
@@ -14,7 +14,7 @@ from pretrain import float8
 from tests.helpers import MINI_MODEL, launch, losses
 
 pytest.importorskip("torchao.float8")
-if not float8._cpu_fp8_matmul():
+if not float8.cpu_has_fp8_matmul():
     pytest.skip("this torch has no FP8 matmul on CPUs", allow_module_level=True)
 
 RUN = (*MINI_MODEL, "train.micro_batch=2", "train.global_batch=2", "train.log_every=1", "train.eval_every=0",
@@ -26,7 +26,9 @@ def test_fp8_run_computes_nearly_what_bf16_does_and_its_checkpoint_resumes_in_bf
     assert launch(*RUN, "precision=bf16", "train.steps=4", f"hydra.run.dir={bf16}").returncode == 0
     first = launch(*RUN, "precision=fp8", "train.steps=4", f"hydra.run.dir={fp8}")
     assert first.returncode == 0, first.stderr
-    assert "precision bf16 with tensorwise FP8 matmuls in 14 linear layers" in first.stderr + first.stdout
+    output = first.stderr + first.stdout
+    assert "precision bf16 with tensorwise FP8 matmuls in 14 linear layers" in output
+    assert "FP8 matmuls are emulated there" in output and "precision.float8 without fsdp.compile" in output
     got, expected = losses(fp8), losses(bf16)
     for step in range(1, 5):
         # FP8 rounding moves the loss, but only slightly: not the same numbers, not another function.
@@ -50,4 +52,4 @@ def test_only_block_layers_with_sizes_multiple_of_16_are_converted():
 def test_missing_torchao_is_refused_with_what_to_install(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
     with pytest.raises(float8.Float8Unavailable, match=r"needs torchao.*pip install 'pretrain\[fp8\]'"):
-        float8.require("tensorwise", torch.device("cpu"))
+        float8.require("tensorwise", torch.device("cpu"), compiled=True)

@@ -66,7 +66,7 @@ def test_float8_model_computes_what_bf16_computes_within_fp8_rounding(recipe):
         reference.init_weights()
     model = Transformer(cfg).cuda()
     model.load_state_dict(reference.state_dict())
-    float8.require(recipe, torch.device("cuda"))
+    float8.require(recipe, torch.device("cuda"), compiled=True)
     assert float8.convert(model, recipe) == 2 * 7  # q, k, v, o, w1, w2, w3 per block; not the output layer
     tokens = torch.randint(0, 512, (4, 128), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -3,24 +3,13 @@
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
-# the fp8 phases need torchao's wheel there too (a second version in .whl-ao/ is tried if the first
-# cannot convert a layer on this torch).
+# the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11).
 # Results and logs go to $OUT/results; copy them into bench/results/ afterwards.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
-fp8_works() {
-  python3 -c "import torch; from pretrain import float8; m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)).cuda().bfloat16(); \
-float8.convert(m, 'rowwise'); m(torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)).sum().backward()" 2>&1 | tail -2
-}
 # Once per machine: several calls of this script may run side by side on different GPUs.
 if [ ! -e /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  if ls .whl/torchao-* > /dev/null 2>&1 && ! fp8_works; then
-    echo "torchao $(ls .whl/torchao-*) failed here; trying .whl-ao/"
-    rm -rf /tmp/site/torchao*
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ao/*.whl
-    fp8_works
-  fi
   touch /tmp/site/.installed
 fi
 # The device tool's NVLink multicast must stay off (its KINDS.md says why).

@@ -101,14 +101,21 @@ def validate_precision(cfg: Config, has_cuda: bool) -> None:
     if cfg.precision.name == "fp16" and not has_cuda:
         raise ConfigError("precision=fp16 needs a CUDA GPU (fp16 matmuls and loss scaling) and none is visible "
                           "here; use precision=bf16 or fp32 on CPUs")
-    _one_of("precision.float8", cfg.precision.float8, config.FLOAT8_RECIPES)
-    if cfg.precision.float8 != "none" and cfg.precision.name != "bf16":
-        raise ConfigError(f"precision.float8={cfg.precision.float8} runs the other operations in bf16, but "
-                          f"precision={cfg.precision.name}; use precision=bf16 with it (or precision=fp8)")
-    if cfg.precision.float8 != "none" and cfg.cluster is not None and cfg.cluster.gpu_fp8 is False:
-        raise ConfigError(f"precision.float8={cfg.precision.float8} needs FP8 matrix units (H100, H200), which the GPUs "
-                          f"of cluster {cfg.cluster.name} lack (cluster.gpu_fp8=false); use precision=bf16 there")
+    validate_float8(cfg)
     _positive({"metrics.peak_flops": cfg.metrics.peak_flops})
+
+
+def validate_float8(cfg: Config) -> None:
+    recipe = cfg.precision.float8
+    _one_of("precision.float8", recipe, config.FLOAT8_RECIPES)
+    if recipe == "none":
+        return
+    if cfg.precision.name != "bf16":
+        raise ConfigError(f"precision.float8={recipe} runs the other operations in bf16, but "
+                          f"precision={cfg.precision.name}; use precision=bf16 with it (or precision=fp8)")
+    if cfg.cluster is not None and cfg.cluster.gpu_fp8 is False:
+        raise ConfigError(f"precision.float8={recipe} needs FP8 matrix units (H100, H200), which the GPUs "
+                          f"of cluster {cfg.cluster.name} lack (cluster.gpu_fp8=false); use precision=bf16 there")
 
 
 def validate_cluster(cluster: ClusterConfig) -> None:

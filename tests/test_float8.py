@@ -6,6 +6,8 @@ a few layers; the GPU kernels' numbers are checked in tests/test_gpu.py and thei
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -50,6 +52,6 @@ def test_only_block_layers_with_sizes_multiple_of_16_are_converted():
 
 
 def test_missing_torchao_is_refused_with_what_to_install(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(float8.Float8Unavailable, match=r"needs torchao.*pip install 'pretrain\[fp8\]'"):
         float8.require("tensorwise", torch.device("cpu"), compiled=True)

@@ -6,6 +6,7 @@ Skipped without CUDA. Throughput is measured by bench/, never here.
 import pytest
 import torch
 
+from pretrain import float8
 from pretrain.deferred import DeferredValue
 from pretrain.loss import build_loss
 from pretrain.models.llama import cross_entropy
@@ -48,14 +49,13 @@ def test_deferred_value_reads_what_the_device_computed():
 
 
 def _fp8_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= float8.MIN_CAPABILITY
 
 
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 matrix units (compute capability 8.9+)")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_model_computes_what_bf16_computes_within_fp8_rounding(recipe):
     pytest.importorskip("torchao.float8")
-    from pretrain import float8
     from pretrain.config import ModelConfig
     from pretrain.models.llama import Transformer
 

@@ -8,14 +8,15 @@ ConfigStore as `base_config`), so a misspelt key or a wrong type fails at compos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from hydra.core.config_store import ConfigStore
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
-CHECKPOINTING = ("none", "selective", "full")
+# auto: the least checkpointing that fits the GPUs' memory by the planner's estimate (pretrain/plan.py).
+CHECKPOINTING = ("auto", "none", "selective", "full")
 
 
 class ConfigError(ValueError):
@@ -48,7 +49,9 @@ class FSDPConfig:
     strategy: str = "full_shard"
     # hybrid_shard: ranks per shard group; null means the GPUs of one node.
     shard_size: Optional[int] = None
-    activation_checkpointing: str = "none"
+    # auto: none if the run fits the GPUs' memory by the planner's estimate, else selective, else
+    # full; resolved by the launcher into the run's config.yaml (none where the memory is unknown).
+    activation_checkpointing: str = "auto"
     # Compile each transformer block and the loss.
     compile: bool = False
 
@@ -91,10 +94,12 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 200
     seq_len: int = 256
-    # Global batch in sequences; global_batch_tokens, when set, takes precedence.
-    global_batch: int = 16
+    # Global batch in sequences; global_batch_tokens, when set, takes precedence. With neither set,
+    # the global batch follows the world size: world size x micro_batch (no gradient accumulation),
+    # resolved by the launcher into the run's config.yaml.
+    global_batch: Optional[int] = None
     global_batch_tokens: Optional[int] = None
-    micro_batch: int = 8
+    micro_batch: int = 16
     seed: int = 1234
     log_every: int = 10
     eval_every: int = 100
@@ -113,6 +118,9 @@ class TrainConfig:
     async_checkpoint: bool = False
     # Stop after this many consecutive steps with a non-finite loss or gradient.
     max_bad_steps: int = 5
+    # Accept starting again from step 0 in a run directory whose checkpoints are all damaged (they are
+    # kept, set aside); without it such a run stops instead of silently losing its progress.
+    start_from_scratch: bool = False
 
 
 @dataclass
@@ -153,8 +161,9 @@ class LocalConfig:
 
 @dataclass
 class ContainerConfig:
-    # The .sif image built from singularity/pretrain.def, on a filesystem the nodes see.
-    image: str = "???"
+    # The .sif image built from singularity/pretrain.def, on a filesystem the nodes see; null runs the
+    # tasks on the host.
+    image: Optional[str] = None
     # apptainer, singularity, or auto (whichever the login node has).
     runtime: str = "auto"
     # Extra bind mounts, "SRC[:DST[:OPTS]]"; the run directory and data.path are bound already.
@@ -185,7 +194,13 @@ class ClusterConfig:
     gpu_fp8: Optional[bool] = None
     env: dict[str, str] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)
-    container: Optional[ContainerConfig] = None
+    # Present in every cluster file unless set to null (image null, or container null: on the host),
+    # so `cluster.container.image=...` works on the command line for any cluster file.
+    container: Optional[ContainerConfig] = field(default_factory=ContainerConfig)
+
+    @property
+    def uses_container(self) -> bool:
+        return self.container is not None and self.container.image is not None
 
 
 @dataclass
@@ -235,6 +250,25 @@ class Config:
     run_dir: str = "???"
 
 
+def flat_items(data: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) for every value of nested dicts/lists, e.g. ("cluster.setup[0]", "module load x")."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from flat_items(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(data, (list, tuple)):
+        for index, item in enumerate(data):
+            yield from flat_items(item, f"{path}[{index}]")
+    else:
+        yield path, data
+
+
+def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every setting that differs between two configs (as plain dicts)."""
+    old, new = dict(flat_items(before)), dict(flat_items(after))
+    return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
 def register() -> None:
     """Make the schema known to Hydra; conf/config.yaml lists `base_config` first in its defaults."""
     store = ConfigStore.instance()
@@ -249,12 +283,18 @@ def from_container(data: Any) -> Config:
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
-def global_batch(train: TrainConfig) -> int:
-    """The global batch in sequences, from whichever of the two settings is given."""
+def global_batch_is_set(train: TrainConfig) -> bool:
+    return train.global_batch is not None or train.global_batch_tokens is not None
+
+
+def global_batch(train: TrainConfig, world_size: int) -> int:
+    """The global batch in sequences: global_batch_tokens, else global_batch, else one micro-batch per rank."""
     if train.global_batch_tokens is not None:
         return train.global_batch_tokens // train.seq_len
-    return train.global_batch
+    if train.global_batch is not None:
+        return train.global_batch
+    return world_size * train.micro_batch
 
 
 def grad_accum_steps(train: TrainConfig, world_size: int) -> int:
-    return global_batch(train) // (world_size * train.micro_batch)
+    return global_batch(train, world_size) // (world_size * train.micro_batch)

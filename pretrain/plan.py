@@ -28,8 +28,10 @@ caching allocator's fragmentation (FRAGMENTATION of the peak).
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pretrain import config, flops
 from pretrain.config import Config, ConfigError, ModelConfig
@@ -46,6 +48,8 @@ CHECKPOINTING_ORDER = ("none", "selective", "full")
 COMPILED_NORM_FP32 = 3
 # Full checkpointing runs each block's forward twice: 8 instead of 6 FLOPs per parameter and token.
 FULL_RECOMPUTE_COST = 8 / 6
+# Node counts tried for a run that does not fit, up to this many (or 4x the configured count).
+MAX_SUGGESTED_NODES = 64
 
 
 @dataclass(frozen=True)
@@ -106,11 +110,12 @@ def resolved_precision(name: str, has_cuda: bool) -> str:
     return "bf16" if has_cuda else "fp32"
 
 
-def target_of(cfg: Config) -> Target:
-    """The GPUs (or CPU processes) the launcher would run this config on."""
+def target_of(cfg: Config, world_shape: tuple[int, int, bool] | None = None) -> Target:
+    """The GPUs (or CPU processes) the launcher would run this config on, or those of world_shape:
+    (world size, ranks per node, CUDA) when the ranks are already running (torchrun)."""
     from pretrain.launch import world_of
 
-    world, per_node, has_cuda = world_of(cfg)
+    world, per_node, has_cuda = world_shape or world_of(cfg)
     precision = resolved_precision(cfg.precision.name, has_cuda)
     if cfg.cluster is not None:
         c = cfg.cluster
@@ -124,8 +129,16 @@ def target_of(cfg: Config) -> Target:
         peak = cfg.metrics.peak_flops or flops.peak_flops_for(props.name)
         return Target(world, per_node, "cuda", precision, props.total_memory / GIB, peak,
                       f"this machine: {world} x {props.name}")
-    return Target(world, per_node, "cpu", precision, None, cfg.metrics.peak_flops,
+    return Target(world, per_node, "cpu", precision, available_memory_gib() / world, cfg.metrics.peak_flops,
                   f"this machine: {world} CPU process{'es' if world > 1 else ''}")
+
+
+def available_memory_gib() -> float:
+    """Memory the CPU processes of a local run may use: what the kernel counts as available now."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024 / GIB
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
 
 
 def shard_degree(cfg: Config, target: Target) -> int:
@@ -238,6 +251,8 @@ def turn_of_backward(m: ModelConfig, c: int, tokens: int, checkpointing: str, co
 
 def estimate(cfg: Config, target: Target) -> Estimate:
     """The one estimate behind `python -m pretrain.plan` and the launcher's check."""
+    if cfg.fsdp.activation_checkpointing == "auto":
+        cfg = with_checkpointing(cfg, resolve_checkpointing(cfg, target))
     m, train = cfg.model, cfg.train
     c = COMPUTE_BYTES[target.precision]
     degree = shard_degree(cfg, target)
@@ -281,6 +296,27 @@ def tokens_per_second(cfg: Config, target: Target) -> float | None:
     return target.world * cfg.plan.mfu * target.peak_flops / work
 
 
+# ---- activation checkpointing: auto -----------------------------------------------------------
+def with_checkpointing(cfg: Config, mode: str) -> Config:
+    return replace(cfg, fsdp=replace(cfg.fsdp, activation_checkpointing=mode))
+
+
+def resolve_checkpointing(cfg: Config, target: Target) -> str:
+    """fsdp.activation_checkpointing as the run will use it: a set mode as it is; `auto` as the least
+    checkpointing (none, selective, full) whose estimate fits the target's memory, none where the
+    memory is unknown (CPUs, a cluster file without gpu_mem_gb), and full when nothing fits (the
+    check then refuses the run)."""
+    wanted = cfg.fsdp.activation_checkpointing
+    if wanted != "auto":
+        return wanted
+    if target.memory_gib is None:
+        return CHECKPOINTING_ORDER[0]
+    for mode in CHECKPOINTING_ORDER:
+        if estimate(with_checkpointing(cfg, mode), target).fits:
+            return mode
+    return CHECKPOINTING_ORDER[-1]
+
+
 # ---- settings that would fit -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Suggestion:
@@ -303,37 +339,69 @@ def _retarget(target: Target, cfg: Config) -> Target:
                    where=f"cluster {c.name}: {c.nodes} nodes x {c.gpus_per_node} GPUs")
 
 
+def node_counts(cfg: Config) -> list[int | None]:
+    """Node counts to try, smallest first: from the configured one up to 64 nodes (or 4x, if more)."""
+    if cfg.cluster is None:
+        return [None]
+    return list(range(cfg.cluster.nodes, max(MAX_SUGGESTED_NODES, 4 * cfg.cluster.nodes) + 1))
+
+
 def micro_batches(cfg: Config, world: int) -> list[int]:
     """Micro-batches up to the configured one that divide each rank's share of the global batch, largest first."""
-    per_rank = config.global_batch(cfg.train) // world
+    per_rank = config.global_batch(cfg.train, world) // world
     return [m for m in range(min(cfg.train.micro_batch, per_rank), 0, -1) if per_rank % m == 0]
+
+
+def _runnable(cfg: Config, target: Target) -> bool:
+    """The global batch divides over the target's ranks and the sharding is valid there."""
+    return config.global_batch(cfg.train, target.world) % target.world == 0 and _valid(cfg, target)
+
+
+def _first_fit(cfg: Config, target: Target, micro_batch_choices: list[int]) -> tuple[Config, Estimate] | None:
+    for micro in micro_batch_choices:
+        candidate = replace(cfg, train=replace(cfg.train, micro_batch=micro))
+        result = estimate(candidate, target)
+        if result.fits:
+            return candidate, result
+    return None
 
 
 def suggestions(cfg: Config, target: Target, limit: int = 3) -> list[Suggestion]:
     """Settings that fit, by re-running the estimate over candidates: stronger activation
-    checkpointing, full sharding, 2x or 4x the nodes, each with the largest micro-batch that fits.
-    Fewest changes first, then the fastest per GPU."""
-    stronger = CHECKPOINTING_ORDER[CHECKPOINTING_ORDER.index(cfg.fsdp.activation_checkpointing):]
+    checkpointing (with `auto`, left to auto), full sharding, and the smallest node count that fits,
+    each with the largest micro-batch that fits. Fewest changes first, then the fastest per GPU."""
+    current = cfg.fsdp.activation_checkpointing
+    modes = [current] if current == "auto" else CHECKPOINTING_ORDER[CHECKPOINTING_ORDER.index(current):]
     strategies = dict.fromkeys([cfg.fsdp.strategy, "full_shard"])
-    nodes = [None] if cfg.cluster is None else [cfg.cluster.nodes, 2 * cfg.cluster.nodes, 4 * cfg.cluster.nodes]
     found = []
-    for checkpointing, strategy, node_count in itertools.product(stronger, strategies, nodes):
-        base = _variant(cfg, checkpointing, strategy, node_count)
-        base_target = _retarget(target, base)
-        if config.global_batch(base.train) % base_target.world or not _valid(base, base_target):
-            continue
-        for micro in micro_batches(base, base_target.world):
-            candidate = replace(base, train=replace(base.train, micro_batch=micro))
-            result = estimate(candidate, base_target)
-            if result.fits:
-                changes = _changes(cfg, candidate)
+    for checkpointing, strategy in itertools.product(modes, strategies):
+        for node_count in node_counts(cfg):
+            base = _variant(cfg, checkpointing, strategy, node_count)
+            base_target = _retarget(target, base)
+            if not _runnable(base, base_target):
+                continue
+            fit = _first_fit(base, base_target, micro_batches(base, base_target.world))
+            if fit is not None:
+                changes = _changes(cfg, fit[0])
                 if changes:
-                    found.append(Suggestion(changes, result, base_target.world))
-                break
+                    found.append(Suggestion(changes, fit[1], base_target.world))
+                break  # more nodes than the fewest that fit is no better suggestion
     # A change on top of settings that already fit is no suggestion.
     found = [s for s in found if not any(set(o.overrides) < set(s.overrides) for o in found)]
     found.sort(key=lambda s: (len(s.overrides), -(s.estimate.tokens_per_s or 0) / s.world, s.world, s.estimate.total))
     return found[:limit]
+
+
+def smallest_node_count(cfg: Config, target: Target) -> tuple[int, Estimate] | None:
+    """The fewest nodes on which this config fits as it is (micro-batch and sharding unchanged)."""
+    for node_count in node_counts(cfg)[1:]:
+        base = _variant(cfg, cfg.fsdp.activation_checkpointing, cfg.fsdp.strategy, node_count)
+        base_target = _retarget(target, base)
+        if _runnable(base, base_target) and cfg.train.micro_batch in micro_batches(base, base_target.world):
+            result = estimate(base, base_target)
+            if result.fits:
+                return node_count, result
+    return None
 
 
 def _valid(cfg: Config, target: Target) -> bool:
@@ -369,18 +437,21 @@ def refusal(cfg: Config, target: Target, result: Estimate) -> str:
     if fixes:
         remedy = "fits with: " + " | ".join(f"{' '.join(s.overrides)} ({gib(s.estimate.total)} GiB)" for s in fixes)
     else:
-        remedy = ("no smaller micro-batch, activation checkpointing, full sharding or up to 4x the nodes fits: "
-                  "use a smaller model or GPUs with more memory")
-    return (f"{cfg.model.name} will not fit: about {gib(result.total)} GiB per GPU ({breakdown}) but {target.where} "
-            f"has {target.memory_gib:.1f} GiB per GPU; {remedy}")
+        remedy = (f"no smaller micro-batch, activation checkpointing, full sharding or up to {MAX_SUGGESTED_NODES} "
+                  "nodes fits: use a smaller model or GPUs with more memory")
+    per = per_device(target)
+    return (f"{cfg.model.name} will not fit: about {gib(result.total)} GiB {per} ({breakdown}) but {target.where} "
+            f"has {target.memory_gib:.1f} GiB {per}; {remedy}")
 
 
-def check(cfg: Config) -> Estimate | None:
-    """The launcher's check: raise ConfigError if the run will not fit its GPUs, unless plan.force.
+def per_device(target: Target) -> str:
+    return "per GPU" if target.device == "cuda" else "per process (of the memory available now)"
 
-    Skipped (None) where the GPU memory is unknown: on CPUs, or a cluster without gpu_mem_gb.
+
+def check(cfg: Config, target: Target) -> Estimate | None:
+    """The launcher's check: raise ConfigError if the run will not fit its GPUs (or, on CPUs, the memory
+    available now), unless plan.force. Skipped (None) for a cluster file without gpu_mem_gb.
     """
-    target = target_of(cfg)
     if target.memory_gib is None:
         return None
     result = estimate(cfg, target)
@@ -412,10 +483,13 @@ def report(cfg: Config, target: Target, result: Estimate) -> str:
     """What `python -m pretrain.plan` prints."""
     m, train = cfg.model, cfg.train
     accumulation = config.grad_accum_steps(train, target.world)
+    checkpointing = resolve_checkpointing(cfg, target)
+    if cfg.fsdp.activation_checkpointing == "auto":
+        checkpointing += " (auto: the least that fits)" if target.memory_gib is not None else " (auto; memory unknown)"
     lines = [
         f"{m.name} on {target.where}",
         f"  {cfg.fsdp.strategy} (parameters split over {shard_degree(cfg, target)}), {target.precision}, "
-        f"activation checkpointing {cfg.fsdp.activation_checkpointing}{', compiled' if cfg.fsdp.compile else ''}, "
+        f"activation checkpointing {checkpointing}{', compiled' if cfg.fsdp.compile else ''}, "
         f"micro-batch {train.micro_batch} x {train.seq_len} tokens, gradient accumulation {accumulation}",
         f"parameters       {flops.parameter_count(m):,}",
         f"FLOPs per token  {si(flops.flops_per_token(m, train.seq_len, 'causal'))}FLOP (causal attention), "
@@ -440,16 +514,17 @@ def report(cfg: Config, target: Target, result: Estimate) -> str:
 
 def verdict(target: Target, result: Estimate) -> str:
     if result.capacity is None:
-        return "  not checked: the GPU memory is unknown (CPU processes, or a cluster file without gpu_mem_gb)"
+        return "  not checked: the GPU memory is unknown (a cluster file without gpu_mem_gb)"
     if result.fits:
-        return f"  fits in {target.memory_gib:.1f} GiB per GPU ({1 - result.total / result.capacity:.0%} to spare)"
-    return f"  does NOT fit in {target.memory_gib:.1f} GiB per GPU"
+        return (f"  fits in {target.memory_gib:.1f} GiB {per_device(target)} "
+                f"({1 - result.total / result.capacity:.0%} to spare)")
+    return f"  does NOT fit in {target.memory_gib:.1f} GiB {per_device(target)}"
 
 
 def speed_lines(cfg: Config, target: Target, result: Estimate) -> list[str]:
     train = cfg.train
-    tokens = train.steps * config.global_batch(train) * train.seq_len
-    per_step = config.global_batch(train) * train.seq_len
+    per_step = config.global_batch(train, target.world) * train.seq_len
+    tokens = train.steps * per_step
     budget = f"token budget     {train.steps:,} steps x {per_step:,} tokens = {si(tokens)}tokens"
     if result.tokens_per_s is None:
         return [budget, "speed            unknown peak FLOP/s: set metrics.peak_flops (or name the cluster file after "
@@ -474,7 +549,9 @@ def speed_lines(cfg: Config, target: Target, result: Estimate) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+        from pretrain.choices import help_text
+
+        print(__doc__ + "\n" + help_text())
         return 0
     from pretrain import launch, validate
 
@@ -492,9 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     print(report(cfg, target, result))
     if result.fits:
         return 0
+    fewest = smallest_node_count(cfg, target) if cfg.cluster is not None else None
+    if fewest is not None:
+        print(f"\nsmallest node count that fits: cluster.nodes={fewest[0]} ({gib(fewest[1].total)} GiB per GPU)")
     fixes = suggestions(cfg, target)
     print("\nwould fit:" if fixes else "\nno candidate setting fits (smaller micro-batch, activation checkpointing, "
-          "full sharding, up to 4x the nodes)")
+          f"full sharding, up to {MAX_SUGGESTED_NODES} nodes)")
     for s in fixes:
         print(f"  {' '.join(s.overrides):<70} {gib(s.estimate.total)} GiB")
     return 1

@@ -38,6 +38,7 @@ def main(argv: list[str]) -> int:
     cfg = launch.compose([f"hydra.run.dir={run_dir}", *overrides])
     env = distributed.detect()
     device = distributed.device_for(env)
+    launch.check_run(cfg, (env.world_size, env.local_world_size, device.type == "cuda"))
     if env.is_main:
         launch.write_run(cfg)
     distributed.init_process_group(env, device)

@@ -139,9 +139,20 @@ def test_sweep_expansion_and_the_names_of_points():
 def test_global_batch_in_tokens_takes_precedence():
     from pretrain.config import global_batch
 
-    cfg = compose(["train.global_batch_tokens=8192", "train.seq_len=256"])
-    assert global_batch(cfg.train) == 32
-    assert math.isclose(cfg.train.global_batch, 16)
+    cfg = compose(["train.global_batch_tokens=8192", "train.seq_len=256", "train.global_batch=16"])
+    assert global_batch(cfg.train, world_size=4) == 32
+
+
+def test_unset_global_batch_follows_the_world_size():
+    from pretrain.config import global_batch, grad_accum_steps
+
+    cfg = compose(["train.micro_batch=4"])
+    assert cfg.train.global_batch is None and cfg.train.global_batch_tokens is None
+    assert [global_batch(cfg.train, world) for world in (1, 8, 32)] == [4, 32, 128]
+    assert grad_accum_steps(cfg.train, 32) == 1
+    cfg = compose(["train.micro_batch=4", "train.global_batch=64"])
+    assert [global_batch(cfg.train, world) for world in (1, 8)] == [64, 64]
+    assert grad_accum_steps(cfg.train, 8) == 2
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

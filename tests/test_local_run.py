@@ -64,7 +64,7 @@ def step_values(run_dir, key: str) -> list[float]:
     return [r[key] for r in metrics(run_dir) if key in r]
 
 
-EXACT = ("train.steps=3", "train.log_every=1", "precision=fp32", "train.micro_batch=4")
+EXACT = ("train.steps=3", "train.log_every=1", "precision=fp32", "train.micro_batch=4", "train.global_batch=16")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from tests.helpers import REPO, launch, snapshot
 PROBE_MODEL = ("data=synthetic", "model.name=probe", "model.dim=512", "model.n_layers=6", "model.n_heads=8",
                "model.n_kv_heads=4", "model.ffn_hidden=1536", "model.vocab_size=32000", "train.seq_len=512",
                "train.steps=2", "train.log_every=1")
-TOO_BIG = ("+cluster=a100x8", "model=llama-8b", "train=pretrain")
+TOO_BIG = ("+cluster=a100x8", "model=llama-8b", "train=pretrain", "fsdp.activation_checkpointing=none")
 
 
 def measured_peaks(tmp_path: Path, world: int, overrides: list[str]) -> list[int]:
@@ -89,11 +89,71 @@ def test_suggestions_fit_when_estimated_again():
         assert again.fits and again.total == pytest.approx(suggestion.estimate.total), suggestion.overrides
 
 
+def check(overrides: list[str]) -> plan.Estimate | None:
+    cfg = compose(overrides)
+    return plan.check(cfg, plan.target_of(cfg))
+
+
 def test_check_is_skipped_where_the_gpu_memory_is_unknown():
-    assert plan.check(compose(["model=llama-8b"])) is None  # this CPU machine
-    assert plan.check(compose([*TOO_BIG, "cluster.gpu_mem_gb=null"])) is None
+    assert check([*TOO_BIG, "cluster.gpu_mem_gb=null"]) is None
     with pytest.raises(ConfigError, match="will not fit"):
-        plan.check(compose([*TOO_BIG]))
+        check([*TOO_BIG])
+
+
+def test_local_cpu_runs_are_checked_against_the_memory_available(tmp_path, capsys):
+    from pretrain import launch as launcher
+
+    assert check(["local.nproc=2"]).fits
+    cfg = compose(["model=llama-8b", "fsdp.activation_checkpointing=full", "train.micro_batch=1"])
+    target = plan.target_of(cfg)
+    assert target.memory_gib == pytest.approx(plan.available_memory_gib(), rel=0.2)
+    assert plan.estimate(cfg, target).total > 8e9 * 12  # fp32 weights and AdamW moments alone
+    run_dir = tmp_path / "run"
+    assert launcher.main(["model=llama-8b", f"hydra.run.dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: llama-8b will not fit: about " in err and "per process (of the memory available now)" in err, err
+    assert not run_dir.exists()
+
+
+def resolved_checkpointing(overrides: list[str]) -> str:
+    cfg = compose(overrides)
+    return plan.resolve_checkpointing(cfg, plan.target_of(cfg))
+
+
+def test_auto_checkpointing_is_the_least_that_fits():
+    assert compose([]).fsdp.activation_checkpointing == "auto"
+    a100 = ["+cluster=a100x8", "train=pretrain"]
+    assert resolved_checkpointing([*a100, "model=llama-1b"]) == "none"
+    assert resolved_checkpointing([*a100, "model=llama-8b"]) == "selective"
+    assert resolved_checkpointing([*a100, "model=llama-8b", "cluster.gpu_mem_gb=40"]) == "full"
+    assert resolved_checkpointing([*a100, "model=llama-70b", "cluster.nodes=4"]) == "full"
+    assert resolved_checkpointing([*a100, "model=llama-8b", "cluster.gpu_mem_gb=null"]) == "none"  # unknown memory
+    assert resolved_checkpointing([*a100, "model=llama-8b", "fsdp.activation_checkpointing=none"]) == "none"
+    # Each choice fits and the one before it does not.
+    cfg = compose([*a100, "model=llama-8b"])
+    target = plan.target_of(cfg)
+    assert plan.estimate(cfg, target).fits
+    assert not plan.estimate(plan.with_checkpointing(cfg, "none"), target).fits
+
+
+# The model presets with train=pretrain on the a100x8 node counts the README names for them.
+PRESETS = [("llama-1b", 1, []), ("llama-8b", 1, []), ("llama-8b", 4, ["fsdp=hybrid_shard"]), ("llama-70b", 4, [])]
+
+
+@pytest.mark.parametrize("model,nodes,extra", PRESETS, ids=[f"{m}-{n}nodes" for m, n, _ in PRESETS])
+def test_presets_fit_their_a100_node_counts(model, nodes, extra):
+    cfg = compose(["+cluster=a100x8", f"cluster.nodes={nodes}", f"model={model}", "train=pretrain", *extra])
+    assert plan.check(cfg, plan.target_of(cfg)).fits
+
+
+def test_plan_names_the_smallest_node_count_for_70b():
+    result = plan_cli("+cluster=a100x8", "model=llama-70b", "train=pretrain")
+    assert result.returncode == 1
+    assert "smallest node count that fits: cluster.nodes=4 (" in result.stdout
+    for fewer in (2, 3):  # 3 nodes: 1024 sequences do not divide over 24 GPUs
+        cfg = compose(["+cluster=a100x8", f"cluster.nodes={fewer}", "model=llama-70b", "train=pretrain",
+                       "fsdp.activation_checkpointing=full", "train.global_batch_tokens=null", "train.global_batch=96"])
+        assert not plan.estimate(cfg, plan.target_of(cfg)).fits
 
 
 def test_launcher_refuses_a_run_that_will_not_fit_and_names_what_would(tmp_path):

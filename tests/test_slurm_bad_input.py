@@ -10,7 +10,7 @@ import pytest
 from pretrain import launch
 from tests.helpers import snapshot
 
-A100 = ["+cluster=a100x8", "train.global_batch=64"]
+A100 = ["+cluster=a100x8"]
 
 CASES = [
     (["+cluster=dgx-superpod"], "Could not find 'cluster/dgx-superpod'"),
@@ -20,7 +20,7 @@ CASES = [
                                    "degree of 1"),
     ([*A100, "cluster.time_min=1", "cluster.signal_delay_s=120"],
      "cluster.time_min=1 is not longer than cluster.signal_delay_s=120"),
-    (["+cluster=a100x8", "cluster.nodes=3"], "global batch 16 sequences does not divide by world size 24"),
+    (["+cluster=a100x8", "train.global_batch=64", "cluster.nodes=3"], "global batch 64 sequences does not divide by world size 24"),
     ([*A100, "cluster.max_requeues=-1"], "cluster.max_requeues=-1: must be 0 or more"),
     ([*A100, "+cluster.env.BAD-NAME=1"], "cluster.env key 'BAD-NAME' is not a valid environment variable name"),
     ([*A100, "precision.name=fp8"], "precision.name='fp8': unknown"),
@@ -72,7 +72,7 @@ def cluster_file(tmp_path, container: dict) -> list[str]:
     conf = tmp_path / "conf"
     (conf / "cluster").mkdir(parents=True)
     (conf / "cluster" / "mine.yaml").write_text(yaml.safe_dump({"name": "mine", "container": container}))
-    return ["+cluster=mine", f"hydra.searchpath=[file://{conf}]", "train.global_batch=64"]
+    return ["+cluster=mine", f"hydra.searchpath=[file://{conf}]"]
 
 
 @pytest.mark.parametrize("case", ["missing image", "missing bind", "no runtime"])

@@ -192,7 +192,7 @@ def assert_marker_nowhere(root: Path, result: subprocess.CompletedProcess) -> No
 
 def test_a_secret_in_the_config_is_refused_before_anything_is_written(tmp_path):
     run_dir = tmp_path / "run"
-    result = launch("+cluster=a100x8", "train.global_batch=64", f"+cluster.env.WANDB_API_KEY={MARKER}",
+    result = launch("+cluster=a100x8", f"+cluster.env.WANDB_API_KEY={MARKER}",
                     f"hydra.run.dir={run_dir}")
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: cluster.env.WANDB_API_KEY holds a secret; keep keys and tokens out of "
@@ -215,7 +215,7 @@ def test_scrub_blanks_secret_names_assignments_and_environment_values():
 
 
 def test_a_slurm_dry_run_puts_the_key_in_no_script(tmp_path):
-    result = launch("+cluster=a100x8", "train.global_batch=64", "dry_run=true", "logging.wandb.mode=online",
+    result = launch("+cluster=a100x8", "dry_run=true", "logging.wandb.mode=online",
                     f"hydra.run.dir={tmp_path / 'run'}", env={"WANDB_API_KEY": MARKER})
     assert result.returncode == 0, result.stderr + result.stdout
     assert "#SBATCH" in result.stdout  # the job script it would submit
@@ -287,6 +287,7 @@ def test_watch_returns_once_every_run_is_finished_and_uploaded(resumed_run, tmp_
 
 def test_sync_of_runs_without_wandb_data_needs_no_server(tmp_path):
     (tmp_path / "config.yaml").write_text("train:\n  steps: 6\n")  # a run directory, W&B disabled
+    runs.mark(tmp_path)
     result = sync_cli(str(tmp_path), env={"WANDB_BASE_URL": closed_port_url()})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("nothing to upload: no offline W&B data here")

@@ -63,6 +63,24 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message says which and why."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (raised on every rank alike); the message says why."""
+
+
+def _on_rank_0(action, what: str) -> None:
+    """Run `action` on rank 0 only and share its outcome: if it fails, every rank raises
+    CheckpointWriteError (no rank is left waiting for rank 0 in a collective)."""
+    failure = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except OSError as error:
+            failure[0] = f"{what}: {error.strerror or error} ({error.filename or ''})".replace(" ()", "")
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0]:
+        raise CheckpointWriteError(failure[0])
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -73,6 +91,18 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and "." not in p.name]
     return sorted((p for p in found if (p / MANIFEST).is_file()), key=lambda p: p.name)
+
+
+def damaged_checkpoints(root: Path) -> list[Path]:
+    """Checkpoints set aside as damaged (`set_aside`), oldest first."""
+    return sorted(root.glob(f"step_*{DAMAGED}*")) if root.is_dir() else []
+
+
+def all_damaged_message(damaged: list[Path]) -> str:
+    """Why a run with checkpoints, every one of them damaged, does not start again from step 0."""
+    return (f"every checkpoint of this run is damaged (set aside as {', '.join(str(p) for p in damaged)}); "
+            "nothing was trained. To start this run directory again from step 0, rerun with "
+            "train.start_from_scratch=true (the damaged checkpoints stay where they are)")
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -128,7 +158,7 @@ def remove(path: Path) -> None:
     doomed = path.with_name(path.name + REMOVING)
     shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier crash
     os.replace(path, doomed)
-    killed_midway = faults.active("kill_in_remove", _step_of(path))
+    killed_midway = faults.active("kill_in_remove", step_of(path))
     for file in sorted(p for p in doomed.rglob("*") if p.is_file()):
         file.unlink()
         if killed_midway:
@@ -136,7 +166,8 @@ def remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step a checkpoint folder holds, from its name (step_00000100, step_00000100.partial, ...)."""
     return int(path.name.split(".")[0].removeprefix("step_"))
 
 
@@ -273,10 +304,12 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         partial = final.with_name(final.name + PARTIAL)
         rank = dist.get_rank()
-        if rank == 0:
+
+        def make_folder() -> None:
             shutil.rmtree(partial, ignore_errors=True)
             (partial / "rng").mkdir(parents=True)
-        dist.barrier()
+
+        _on_rank_0(make_folder, f"cannot create {partial}")  # also the barrier before the shards
         barrier_done = time.perf_counter()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -295,7 +328,11 @@ class Checkpointer:
             upload = self._writer.submit(self._write, host_state, partial)
             self.pending = PendingSave(partial, final, manifest, upload, started, time.perf_counter() - started)
             return final
-        self._finish(partial, final, manifest, save_shards(state, partial))
+        try:
+            files = save_shards(state, partial)
+        except Exception as error:  # DCP raises the same CheckpointException on every rank
+            raise CheckpointWriteError(f"writing the shards into {partial} failed: {_first_line(error)}") from error
+        self._finish(partial, final, manifest, files)
         return final
 
     def _write(self, host_state: dict[str, Any], partial: Path) -> dict[str, dict[str, int]]:
@@ -326,7 +363,12 @@ class Checkpointer:
         if pending is None:
             return None
         waited = time.perf_counter()
-        self._finish(pending.partial, pending.final, pending.manifest, pending.upload.result())
+        try:
+            files = pending.upload.result()
+        except Exception as error:
+            raise CheckpointWriteError(f"writing the shards into {pending.partial} failed: {_first_line(error)}") \
+                from error
+        self._finish(pending.partial, pending.final, pending.manifest, files)
         return {"path": pending.final, "step": pending.manifest["step"], "total_s": time.perf_counter() - pending.started,
                 "stage_s": pending.stage_s, "wait_s": time.perf_counter() - waited}
 
@@ -337,11 +379,13 @@ class Checkpointer:
             faults.kill_self()
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, files)
+        manifest["files"] = {name: info for part in gathered for name, info in part.items()}
+        _on_rank_0(lambda: self._publish(partial, final, manifest), f"cannot publish {final}")
         if rank == 0:
-            manifest["files"] = {name: info for part in gathered for name, info in part.items()}
-            self._publish(partial, final, manifest)
-            self._prune()
-        dist.barrier()
+            try:
+                self._prune()
+            except OSError as error:  # the new checkpoint is safe; old ones are left for the next save
+                log.warning("could not remove old checkpoints (%s): %s", error.filename, error.strerror or error)
 
     def _publish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
         tmp = partial / (MANIFEST + ".tmp")
@@ -368,6 +412,17 @@ class Checkpointer:
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return read_manifest(path)["train_state"]
+
+
+def _first_line(error: BaseException) -> str:
+    """The cause of an error in one line, e.g. "[Errno 30] Read-only file system: '...'"."""
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _cpu_group() -> dist.ProcessGroup:

@@ -1,7 +1,8 @@
 """Running the training inside an Apptainer/Singularity image (`cluster.container`).
 
-The tasks run `RUNTIME exec --nv --bind ... IMAGE python3 ...`: `--nv` makes the host's NVIDIA
-driver and GPUs visible; the run directory, the data and `container.binds` are bound at the
+The tasks run `RUNTIME exec --nv --env PYTHONNOUSERSITE=1 --bind ... IMAGE python3 ...`: `--nv`
+makes the host's NVIDIA driver and GPUs visible; PYTHONNOUSERSITE keeps packages in the user's
+~/.local from shadowing the image's; the run directory, the data and `container.binds` are bound at the
 same paths. The host environment passes in (Apptainer's default), which carries Slurm's
 per-task variables, NCCL and W&B settings and the rendezvous address; secrets reach the job
 only that way and are never written into a script.
@@ -29,7 +30,7 @@ def runtime(cfg: Config) -> str:
         if shutil.which(name):
             return name
     raise ConfigError("neither apptainer nor singularity is on PATH: load the cluster's module (e.g. "
-                      "`module load apptainer`) or set cluster.container=null to run on the host")
+                      "`module load apptainer`) or set cluster.container.image=null to run on the host")
 
 
 def extra_binds(cfg: Config) -> list[str]:
@@ -47,7 +48,9 @@ def exec_prefix(cfg: Config, run_root: str) -> str:
     the folder holding the run directories, bound at the same path.
     """
     container = cfg.cluster.container
-    words = [shlex.quote(runtime(cfg)), "exec", "--nv", "--bind", run_root]
+    # PYTHONNOUSERSITE: packages in the user's ~/.local (visible through the home bind) must not
+    # shadow the image's.
+    words = [shlex.quote(runtime(cfg)), "exec", "--nv", "--env", "PYTHONNOUSERSITE=1", "--bind", run_root]
     for bind in extra_binds(cfg):
         words += ["--bind", shlex.quote(bind)]
     words += [shlex.quote(w) for w in container.options]
@@ -55,8 +58,9 @@ def exec_prefix(cfg: Config, run_root: str) -> str:
     return " ".join(words)
 
 
-def check(cfg: Config) -> None:
-    """Before submission: the image exists, every bind source exists, a runtime is on PATH."""
+def check(cfg: Config) -> list[str]:
+    """Before submission (and in a dry run): the image exists, every bind source exists, a runtime is
+    on PATH. Returns what was checked, for the dry run to say."""
     container = cfg.cluster.container
     image = Path(container.image).expanduser()
     if not image.is_file():
@@ -70,3 +74,5 @@ def check(cfg: Config) -> None:
     if shutil.which(runtime(cfg)) is None:
         raise ConfigError(f"cluster.container.runtime={runtime(cfg)} is not on PATH: load its module, or set "
                           "cluster.container.runtime=auto")
+    sources = [bind.split(":", 1)[0] for bind in extra_binds(cfg)]
+    return [f"image {image}"] + ([f"bind sources {', '.join(sources)}"] if sources else []) + [f"{runtime(cfg)} on PATH"]

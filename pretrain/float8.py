@@ -25,14 +25,10 @@ class Float8Unavailable(RuntimeError):
     """float8 was asked for where it cannot run; the message says why and what to do."""
 
 
-def require(recipe: str, device: torch.device, compiled: bool) -> None:
-    """Refuse, before any work starts, a run that cannot do FP8 matmuls here; warn of a slow one."""
+def check_available(recipe: str, device: torch.device) -> None:
+    """Raise Float8Unavailable, saying what to do, where FP8 matmuls cannot run on this device."""
     if recipe == "none":
         return
-    log = logging.getLogger("pretrain")
-    if not compiled:
-        log.warning("precision.float8 without fsdp.compile: the FP8 casts run as separate kernels and are "
-                    "usually slower than bf16; set fsdp.compile=true")
     try:
         import torchao.float8  # noqa: F401
     except ImportError as error:
@@ -50,7 +46,18 @@ def require(recipe: str, device: torch.device, compiled: bool) -> None:
     elif not cpu_has_fp8_matmul():
         raise Float8Unavailable(f"precision.float8={recipe}: torch {torch.__version__} has no FP8 matmul on CPUs; "
                                 "FP8 is meant for H100-class GPUs. Set precision.float8=none")
-    else:
+
+
+def require(recipe: str, device: torch.device, compiled: bool) -> None:
+    """Refuse, before any work starts, a run that cannot do FP8 matmuls here; warn of a slow one."""
+    check_available(recipe, device)
+    if recipe == "none":
+        return
+    log = logging.getLogger("pretrain")
+    if not compiled:
+        log.warning("precision.float8 without fsdp.compile: the FP8 casts run as separate kernels and are "
+                    "usually slower than bf16; set fsdp.compile=true")
+    if device.type == "cpu":
         log.warning(
             "precision.float8=%s on CPUs: FP8 matmuls are emulated there, hundreds of times slower than bf16 "
             "(fit for tests of tiny models only)", recipe)

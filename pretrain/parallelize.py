@@ -56,6 +56,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Wrap each transformer block: 'full' recomputes everything, 'selective' keeps matmul outputs."""
     if mode == "none":
         return
+    if mode not in ("selective", "full"):
+        raise ValueError(f"activation checkpointing {mode!r} reached the model: the launcher resolves 'auto' "
+                         "into the run's config.yaml; start runs with python -m pretrain.launch")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     wrap = partial(checkpoint_wrapper, preserve_rng_state=False)

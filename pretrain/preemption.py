@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,13 +21,15 @@ import torch.distributed as dist
 from pretrain.deferred import DeferredValue
 
 # USR2 is what submitit's sbatch scripts ask Slurm for (--signal=USR2@delay); USR1 for hand-written
-# scripts; TERM for preemption and scancel.
-SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+# scripts; TERM for preemption and scancel; INT for Ctrl-C on a local run (a second one aborts at once).
+SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 # Signals that mean "time is up, come back later": the job asks to be requeued. SIGTERM comes from
 # scancel (the user wants it gone) or from preemption (Slurm requeues or cancels it itself).
 REQUEUE_SIGNALS = ("SIGUSR1", "SIGUSR2")
 # Exit code of a run that stopped on a signal after saving a checkpoint (to be requeued or rerun).
 EXIT_STOPPED = 3
+# Exit code of a run aborted by a second Ctrl-C, without a checkpoint (as a shell reports SIGINT).
+EXIT_ABORTED = 130
 # Left in the run directory by rank 0 after a signalled stop; the batch script requeues on it.
 REQUEUE_REQUEST = ".requeue"
 
@@ -42,13 +45,22 @@ class StopRequest:
         self.agreed_kind = self.NONE
         self.reason = ""
         self._pending: DeferredValue | None = None
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+
+    def uninstall(self) -> None:
+        """Give the signals back (a run inside the launcher's process must not leave its handlers behind)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if name == "SIGINT" and self.local != self.NONE:
+            os.write(2, b"pretrain: second Ctrl-C: aborting now, without a checkpoint (the last one is intact)\n")
+            os._exit(EXIT_ABORTED)
         self.local = max(self.local, self.REQUEUE if name in REQUEUE_SIGNALS else self.STOP)
         self.reason = self.reason or name
 

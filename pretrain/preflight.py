@@ -49,6 +49,10 @@ class DeviceResult:
     tflops: float
     wrong: int
     entries: int
+    # The GPU this rank drives (its UUID and PCI bus id), or "cpu": two ranks must never share one.
+    device: str = "cpu"
+    # CPUs this rank may run on (its affinity): what srun gave the task.
+    cpus: int = 0
     problem: str = ""
 
 
@@ -98,7 +102,32 @@ def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
     synchronize(device)
     seconds = time.perf_counter() - started
     tflops = 2 * n**3 * MATMUL_ITERATIONS / seconds / 1e12
-    return DeviceResult(rank, node_name(), tflops, wrong, n * n)
+    return DeviceResult(rank, node_name(), tflops, wrong, n * n, device_identity(device),
+                        len(os.sched_getaffinity(0)))
+
+
+def device_identity(device: torch.device) -> str:
+    """A GPU's UUID and PCI bus id (what nvidia-smi shows), or "cpu"."""
+    if device.type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(device)
+    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}" \
+        if hasattr(props, "pci_bus_id") else "?"
+    return f"GPU-{props.uuid} ({bus})" if hasattr(props, "uuid") else f"{torch.cuda.get_device_name(device)} ({bus})"
+
+
+def shared_devices(results: list[DeviceResult]) -> list[str]:
+    """Problems for GPUs that more than one rank on a node drives (a GPU binding gone wrong)."""
+    seen: dict[tuple[str, str], int] = {}
+    for r in results:
+        if r.device != "cpu":
+            seen.setdefault((r.node, r.device), r.rank)
+    problems = []
+    for r in results:
+        first = seen.get((r.node, r.device), r.rank)
+        if r.device != "cpu" and first != r.rank:
+            problems.append(f"rank {r.rank} drives the same GPU as rank {first} on {r.node} ({r.device})")
+    return problems
 
 
 def rate_floor(cfg: PreflightConfig, device: torch.device) -> float | None:
@@ -184,11 +213,26 @@ def check_devices(cfg: Config, rank: int, world: int, device: torch.device) -> t
     dist.all_gather_object(results, mine)
     record = {"matmul_n": n, "matmul_dtype": str(check_dtype(device)).removeprefix("torch."),
               "ranks": [asdict(r) for r in results]}
+    warn_of_starved_cpus(cfg, results, rank)
+    shared = shared_devices(results)
+    if shared:
+        return record, "preflight failed: " + "; ".join(shared) + ": check the GPU binding (CUDA_VISIBLE_DEVICES)"
     failed = [r for r in results if r.problem]
     if not failed:
         return record, None
     nodes = sorted({r.node for r in failed})
     return record, failure_message(failed) + exclusion(cfg, Path(cfg.run_dir), nodes, rank == 0)
+
+
+def warn_of_starved_cpus(cfg: Config, results: list[DeviceResult], rank: int) -> None:
+    """A rank given fewer CPUs than cluster.cpus_per_task starves its data loading and compile workers."""
+    if cfg.cluster is None or rank != 0:
+        return
+    starved = [r for r in results if 0 < r.cpus < cfg.cluster.cpus_per_task]
+    if starved:
+        log.warning("ranks %s run on fewer CPUs (%d) than cluster.cpus_per_task=%d: the job step did not get "
+                    "--cpus-per-task (srun no longer inherits it from sbatch since Slurm 22.05)",
+                    ", ".join(str(r.rank) for r in starved), min(r.cpus for r in starved), cfg.cluster.cpus_per_task)
 
 
 def check_network(cfg: PreflightConfig, rank: int, world: int, device: torch.device, record: dict) -> str | None:
@@ -216,9 +260,18 @@ def passed_message(record: dict) -> str:
     network = (f"all-reduce of {record['allreduce_mib']} MiB right, bus bandwidth {record['busbw_gbps']:.1f} GB/s"
                if "busbw_gbps" in record else "one rank, no all-reduce")
     n = record["matmul_n"]
+    cpus = [r["cpus"] for r in ranks]
     return (f"preflight passed on {len(ranks)} rank{'s' if len(ranks) > 1 else ''} ({', '.join(nodes)}): "
             f"{n} x {n} {record['matmul_dtype']} products exact, {min(rates):.2f}-{max(rates):.2f} TFLOP/s per device; "
-            f"{network}")
+            f"{network}; {min(cpus)}-{max(cpus)} CPUs per rank{gpu_list(ranks)}")
+
+
+def gpu_list(ranks: list[dict]) -> str:
+    """"; GPUs: rank 0 GPU-..., rank 1 ..." for the first ranks on GPUs, "" on CPUs."""
+    gpus = [f"rank {r['rank']} {r['node']} {r['device']}" for r in ranks if r["device"] != "cpu"]
+    if not gpus:
+        return ""
+    return "; GPUs: " + ", ".join(gpus[:8]) + (f" and {len(gpus) - 8} more" if len(gpus) > 8 else "")
 
 
 def requeue_without_lines() -> list[str]:

@@ -94,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     metrics = {run_dir.name: runs.metrics(run_dir) for run_dir in run_dirs}
     print(table([summarize(name, records) for name, records in metrics.items()]))
-    written = write_charts(metrics, args.out or args.path / "report")
+    try:
+        written = write_charts(metrics, args.out or args.path / "report")
+    except OSError as error:
+        print(f"error: cannot write the plots to {args.out or args.path / 'report'}: {error.strerror or error}",
+              file=sys.stderr)
+        return 2
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

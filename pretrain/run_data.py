@@ -12,6 +12,7 @@ from pretrain.config import Config
 from pretrain.data.builtin import ensure_builtin_dataset
 from pretrain.data.dataset import SyntheticDataset, TokenDataset
 from pretrain.data.errors import DataError
+from pretrain.data.tokenizer import ByteTokenizer
 from pretrain.data.sampling import rank_indices
 
 __all__ = ["data_dir", "ensure", "check", "open_train", "open_val", "rank_indices", "DataError"]
@@ -31,7 +32,13 @@ def ensure(cfg: Config) -> None:
 
 def check(cfg: Config) -> None:
     """Raise DataError (one line) if the data cannot feed this model at this sequence length."""
-    if cfg.data.synthetic or cfg.data.path is None:
+    if cfg.data.synthetic:
+        return
+    if cfg.data.path is None:
+        needed = ByteTokenizer().vocab_size
+        if cfg.model.vocab_size < needed:
+            raise DataError(f"the built-in corpus is tokenized into {needed} byte-level ids, but model.vocab_size="
+                            f"{cfg.model.vocab_size}; use model.vocab_size={needed} or more, or data.path=DIR")
         return
     for split in ("train", "val"):
         dataset = TokenDataset(data_dir(cfg), split)

@@ -1,19 +1,102 @@
-"""Run directories on disk: a run, or the runs of a sweep, and how far each one has got.
+"""Run directories on disk: a run, or the runs of a sweep, how far each one has got, and who trains in it.
 
-A run directory is one with the config.yaml that `pretrain.launch` writes; a sweep directory
-holds one per point, named `INDEX_OVERRIDES`.
+A run directory is one that `pretrain.launch` made: it holds the MARKER file beside its
+config.yaml; a sweep directory holds one per point, named `INDEX_OVERRIDES`. A folder without the
+marker is never used as a run directory unless it is empty, so a user's own files are never renamed
+or appended to. While a run trains, its rank 0 (or the local launcher) holds an exclusive lock on
+LOCK_FILE (`fcntl.lockf`, which NFS and Lustre honour across nodes), so two launches can never train
+in one run directory at once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
+MARKER = ".pretrain-run"
+LOCK_FILE = ".lock"
+# Set by the local launcher for its ranks to the run directory whose lock it holds for them.
+LOCK_HELD_ENV = "PRETRAIN_RUN_LOCK_HELD"
+
 
 def is_run_dir(path: Path) -> bool:
-    return (Path(path) / "config.yaml").is_file()
+    return (Path(path) / MARKER).is_file() and (Path(path) / "config.yaml").is_file()
+
+
+def foreign_files(path: Path) -> list[str]:
+    """Names in an existing folder that make it unusable as a run directory: any, unless it is one of ours."""
+    path = Path(path)
+    if not path.is_dir() or (path / MARKER).is_file():
+        return []
+    return sorted(p.name for p in path.iterdir())
+
+
+def mark(path: Path) -> None:
+    """Claim a (new or empty) folder as a run directory."""
+    marker = Path(path) / MARKER
+    if not marker.exists():
+        marker.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+
+
+class RunLocked(RuntimeError):
+    """Another process trains in this run directory; the message names it."""
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on a run directory, held while its run trains.
+
+    The lock is the kernel's (released when the holder exits, however it exits); the file only
+    tells who holds it: host, process id and since when.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self._fd = self._lock(os.O_RDWR | os.O_CREAT)
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+
+    def _lock(self, flags: int) -> int:
+        fd = os.open(self.path, flags, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunLocked(f"another training is running in {self.path.parent} ({holder}); wait for it to end or "
+                            "stop it, or use another hydra.run.dir") from None
+        return fd
+
+    def check_free(self) -> None:
+        """Raise RunLocked if the lock is held now; leaves the file as it is."""
+        if self.path.is_file():
+            os.close(self._lock(os.O_RDWR))
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def check_unlocked(run_dir: Path) -> None:
+    """Raise RunLocked if a run trains in run_dir now (the lock is tried and given back at once)."""
+    RunLock(run_dir).check_free()
 
 
 def run_dirs(path: Path) -> list[Path]:

@@ -1,8 +1,9 @@
 """`python -m pretrain.status [ROOT...]`: this user's runs, their Slurm jobs and their progress.
 
-Finds run directories (those with a jobs.json, written at submission) under each ROOT
-(default: ./runs), asks Slurm for each run's newest job's state (sacct, or squeue when
-accounting is off), and reads the last step and loss from metrics.jsonl.
+Finds run directories (those with a config.yaml) under each ROOT (default: ./runs). For a
+submitted run (a jobs.json, written at submission) it asks Slurm for the newest job's state
+(sacct, or squeue when accounting is off); a run trained here shows LOCAL, or FINISHED once it has
+reached its last step. The last step and loss come from metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.logs import MetricsFile
+from pretrain import runs
 
 
 def find_runs(roots: list[Path]) -> list[Path]:
-    runs = set()
+    found = set()
     for root in roots:
-        if (root / "jobs.json").is_file():
-            runs.add(root.resolve())
-        runs.update(p.parent.resolve() for p in root.rglob("jobs.json"))
-    return sorted(runs)
+        if runs.is_run_dir(root):
+            found.add(root.resolve())
+        if root.is_dir():
+            found.update(p.parent.resolve() for p in root.rglob("config.yaml") if runs.is_run_dir(p.parent))
+    return sorted(found)
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -48,13 +50,17 @@ def job_state(job_id: str) -> tuple[str, int]:
 
 
 def describe(run_dir: Path) -> dict[str, object]:
-    jobs = json.loads((run_dir / "jobs.json").read_text())
+    records = [r for r in runs.metrics(run_dir) if "loss" in r]
+    last = records[-1] if records else {}
+    row = {"run": str(run_dir), "step": last.get("step", "-"), "loss": f"{last['loss']:.4f}" if "loss" in last else "-"}
+    jobs_file = run_dir / "jobs.json"
+    if not jobs_file.is_file():
+        state = "FINISHED" if runs.is_finished(run_dir) else "LOCAL"
+        return {**row, "job": "-", "state": state, "restarts": last.get("restarts", 0)}
+    jobs = json.loads(jobs_file.read_text())
     job_id = jobs[-1]["job_id"]
     state, requeues = job_state(job_id)
-    records = [r for r in MetricsFile(run_dir / "metrics.jsonl").records() if "loss" in r]
-    last = records[-1] if records else {}
-    return {"run": str(run_dir), "job": job_id, "state": state, "restarts": requeues + len(jobs) - 1,
-            "step": last.get("step", "-"), "loss": f"{last['loss']:.4f}" if "loss" in last else "-"}
+    return {**row, "job": job_id, "state": state, "restarts": requeues + len(jobs) - 1}
 
 
 def table(rows: list[dict[str, object]]) -> str:
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = find_runs(args.roots)
     if not runs:
-        print(f"no submitted runs under {', '.join(map(str, args.roots))}", file=sys.stderr)
+        print(f"no runs under {', '.join(map(str, args.roots))} (folders with a config.yaml)", file=sys.stderr)
         return 1
     print(table([describe(run) for run in runs]))
     return 0

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, config, distributed, faults, float8, flops, logs, precision, preflight
+from pretrain import checkpoint, config, distributed, faults, float8, flops, logs, precision, preflight, runs
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import Config
 from pretrain import run_data as source
@@ -90,13 +91,13 @@ def params_finite(model: torch.nn.Module, device: torch.device) -> bool:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device) -> None:
+    def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device,
+                 stop: preemption.StopRequest | None = None) -> None:
+        """stop: the signal listener the loop asks at each step boundary (none installed by default)."""
         self.cfg = cfg
         self.env = env
         self.device = device
-        # Listen before the slow start-up: a signal during it must not kill the job uncheckpointed.
-        self.stop = preemption.StopRequest()
-        self.stop.install()
+        self.stop = stop or preemption.StopRequest()
         self.run_dir = Path(cfg.run_dir)
         try:
             float8.require(cfg.precision.float8, device, cfg.fsdp.compile)
@@ -105,7 +106,7 @@ class Trainer:
         failure = preflight.run(cfg, env.rank, env.world_size, device)
         if failure:
             raise TrainingError(failure)
-        self.global_batch = config.global_batch(cfg.train)
+        self.global_batch = config.global_batch(cfg.train, env.world_size)
         self.accum = config.grad_accum_steps(cfg.train, env.world_size)
         self.mesh = build_mesh(cfg.fsdp, device, env.world_size, env.local_world_size)
         self.precision = precision.resolve(cfg.precision.name, device)
@@ -138,7 +139,11 @@ class Trainer:
 
     # ---- resume -------------------------------------------------------------------------------
     def resume(self) -> Path | None:
-        """Load the newest intact checkpoint; damaged ones are reported, set aside and skipped."""
+        """Load the newest intact checkpoint; damaged ones are reported, set aside and skipped.
+
+        When every checkpoint is damaged (now or before: set-aside folders), the run stops rather than
+        start again from step 0 over a run that had progress, unless train.start_from_scratch says to.
+        """
         root = self.run_dir / "checkpoints"
         if self.env.is_main:
             checkpoint.tidy(root)
@@ -163,12 +168,18 @@ class Trainer:
             log.info("resumed from %s in %.1f s (step %d, %d samples seen)", path, seconds, self.state.step,
                      self.state.samples)
             return path
+        damaged = checkpoint.damaged_checkpoints(root)
+        if damaged and not self.cfg.train.start_from_scratch:
+            raise TrainingError(checkpoint.all_damaged_message(damaged))
+        if damaged:
+            log.warning("starting from step 0 (train.start_from_scratch=true): every checkpoint was damaged")
         return None
 
     def _set_aside(self, path: Path, damage: list[str]) -> None:
+        """Rename a damaged checkpoint out of the complete ones (rank 0)."""
         if self.env.is_main:
             aside = checkpoint.set_aside(path)
-            log.warning("checkpoint %s is damaged (%s); it is kept as %s and the previous one is used", path,
+            log.warning("checkpoint %s is damaged (%s); it is kept as %s and an earlier one is tried", path,
                         "; ".join(damage[:3]) + (f"; and {len(damage) - 3} more" if len(damage) > 3 else ""), aside)
         dist.barrier()
 
@@ -268,7 +279,7 @@ class Trainer:
 
     def save(self) -> Path:
         self.settle_skips()
-        self.published(self.checkpointer.wait())
+        self.finish_pending_save(wait=True)
         started = time.perf_counter()
         finite = params_finite(self.model, self.device)
         checked = time.perf_counter() - started
@@ -276,8 +287,11 @@ class Trainer:
             raise TrainingError(f"parameters are not finite at step {self.state.step}: refusing to write a checkpoint "
                                 "(the previous one is intact)")
         extra = {"scaler": self.scaler.state_dict()} if self.scaler.enabled else {}
-        path = self.checkpointer.save(self.state.step, self.model, self.optimizer, {**asdict(self.state), **extra},
-                                      self.cfg.model, config_hash(self.cfg))
+        try:
+            path = self.checkpointer.save(self.state.step, self.model, self.optimizer,
+                                          {**asdict(self.state), **extra}, self.cfg.model, config_hash(self.cfg))
+        except checkpoint.CheckpointWriteError as error:
+            raise self.save_failed(error) from None
         seconds = time.perf_counter() - started
         if self.checkpointer.async_save:
             parts = ", ".join(f"{name} {s:.2f} s" for name, s in {"finite check": checked, **self.checkpointer.phases}.items())
@@ -288,8 +302,20 @@ class Trainer:
             self.metrics.write({"step": self.state.step, "ckpt_save_s": seconds})
         return path
 
-    def published(self, finished: dict[str, Any] | None) -> None:
-        """Log an asynchronous save that has just been published."""
+    def save_failed(self, error: Exception) -> TrainingError:
+        """Why training stops when a checkpoint cannot be written, and what is safe."""
+        previous = checkpoint.latest_checkpoint(self.run_dir / "checkpoints")
+        safe = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        return TrainingError(f"the checkpoint of step {self.state.step} could not be written ({error}); {safe}. "
+                             f"Training stopped: free space or fix permissions under {self.run_dir / 'checkpoints'}, "
+                             "then rerun the same run directory to resume")
+
+    def finish_pending_save(self, wait: bool) -> None:
+        """Publish an asynchronous save whose shards are written (all of them, with wait) and log it."""
+        try:
+            finished = self.checkpointer.wait() if wait else self.checkpointer.poll(self.device)
+        except checkpoint.CheckpointWriteError as error:
+            raise self.save_failed(error) from None
         if finished is None:
             return
         log.info("checkpoint published %.1f s after it started; training blocked %.2f s staging it and %.2f s "
@@ -304,9 +330,11 @@ class Trainer:
         resumed = self.resume()
         self.wandb.start(self.state.restarts)
         train = self.cfg.train
-        log.info("training %s: %s parameters, world size %d, %d micro-batches of %d per rank, precision %s%s, "
-                 "fsdp %s", self.cfg.model.name, f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size,
-                 self.accum, train.micro_batch, self.precision, self._float8_note(), self.cfg.fsdp.strategy)
+        log.info("training %s: %s parameters, world size %d, global batch %d = %d micro-batch%s of %d per rank, "
+                 "precision %s%s, fsdp %s, activation checkpointing %s", self.cfg.model.name,
+                 f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size, self.global_batch, self.accum,
+                 "" if self.accum == 1 else "es", train.micro_batch, self.precision, self._float8_note(),
+                 self.cfg.fsdp.strategy, self.cfg.fsdp.activation_checkpointing)
         watchdog = StepWatchdog(train.hang_timeout_s)
         try:
             return self._loop(resumed, watchdog)
@@ -322,6 +350,9 @@ class Trainer:
         train = self.cfg.train
         window_start, window_steps, loss = time.perf_counter(), 0, float("nan")
         started, start_step = time.perf_counter(), self.state.step
+        if start_step >= train.steps:
+            log.info("nothing to train: the run is already at step %d of train.steps=%d", start_step, train.steps)
+            loss = self.last_logged_loss()
         while self.state.step < train.steps:
             loss_t, grad_norm = self.train_step()
             if self.state.step == start_step + 1:
@@ -334,7 +365,7 @@ class Trainer:
                 loss = self.mean_across_ranks(loss_t)
                 elapsed = time.perf_counter() - window_start
                 self.settle_skips()
-                self.published(self.checkpointer.poll(self.device))
+                self.finish_pending_save(wait=False)
                 self.log_step(loss, float(grad_norm), window_steps, elapsed, (time.perf_counter() - started) / (step - start_step))
                 window_start, window_steps = time.perf_counter(), 0
             if train.eval_every and step % train.eval_every == 0:
@@ -392,9 +423,16 @@ class Trainer:
                  self.state.step, self.cfg.train.steps, loss, record["lr"], grad_norm, f"{tokens_per_s:,.0f}",
                  mfu, record["mem_gb"], eta)
 
+    def last_logged_loss(self) -> float:
+        """The loss of the newest logged step (rank 0's metrics.jsonl), shared with every rank."""
+        records = [r for r in self.metrics.records() if "loss" in r] if self.env.is_main else []
+        value = torch.tensor(records[-1]["loss"] if records else float("nan"), device=self.device)
+        dist.broadcast(value, src=0)
+        return value.item()
+
     def summary(self, loss: float, last_ckpt: Path | None, stopped: bool) -> dict[str, Any]:
         self.settle_skips()
-        self.published(self.checkpointer.wait())
+        self.finish_pending_save(wait=True)
         records = [r for r in self.metrics.records() if "loss" in r] if self.env.is_main else []
         result = {
             "run_dir": str(self.run_dir),
@@ -445,17 +483,28 @@ def run(cfg: Config, prepare: bool = False) -> dict[str, Any]:
     if prepare:
         from pretrain import launch
 
-        launch.check_run(cfg)
+        launch.check_config(cfg, (env.world_size, env.local_world_size, device.type == "cuda"))
         if env.is_main:
-            launch.write_run(cfg)
+            launch.check_run_dir(cfg)
+    lock = runs.RunLock(Path(cfg.run_dir))
+    if env.is_main and os.environ.get(runs.LOCK_HELD_ENV) != cfg.run_dir:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        lock.acquire()  # released when this process ends, however it ends
+    if prepare and env.is_main:
+        launch.write_run(cfg)
+    # Listen before the slow start-up: a signal during it must not kill the job uncheckpointed.
+    stop = preemption.StopRequest()
+    stop.install()
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     try:
-        trainer = Trainer(cfg, env, device)
+        trainer = Trainer(cfg, env, device, stop)
         with trainer.wandb:
             return trainer.fit()
     finally:
         dist.destroy_process_group()
+        stop.uninstall()
+        lock.release()
 
 
 def load_run_config(run_dir: Path, overrides: list[str]) -> tuple[Config, bool]:
@@ -488,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, prepare = load_run_config(run_dir, argv[1:])
         result = run(cfg, prepare)
-    except (config.ConfigError, checkpoint.CheckpointError, DataError, TrainingError) as err:
+    except (config.ConfigError, checkpoint.CheckpointError, DataError, TrainingError, runs.RunLocked) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return preemption.EXIT_STOPPED if result["stopped_early"] else 0

@@ -6,6 +6,7 @@ and where useful what would work.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict
 
@@ -24,11 +25,40 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r}: unknown; choose one of {', '.join(allowed)}")
 
 
+# Control characters (newlines among them): a value that reaches the batch script must not hold one.
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def validate_values(cfg: Config) -> None:
+    """Every string free of control characters, every float finite.
+
+    Strings reach the generated batch script (partition, job name, paths, environment, setup):
+    a line break there would end the #SBATCH header and run the rest as a command.
+    """
+    for key, value in config.flat_items(asdict(cfg)):
+        if isinstance(value, str) and CONTROL_CHARACTER.search(value):
+            found = CONTROL_CHARACTER.search(value).group()
+            raise ConfigError(f"{key}={value!r}: holds the control character {found!r}; values are written into "
+                              "the batch script, where a line break would end its #SBATCH header and run the rest "
+                              "as a command: remove it")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value}: must be a finite number")
+
+
+def _in_range(key: str, value: float | None, low: float, high: float, high_open: bool = False) -> None:
+    if value is None:
+        return
+    if not low <= value <= high or (high_open and value == high):
+        bracket = ")" if high_open else "]"
+        raise ConfigError(f"{key}={value}: must be in [{low:g}, {high:g}{bracket}")
+
+
 def validate_model(cfg: Config) -> None:
     m = cfg.model
     _positive({"model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
                "model.n_kv_heads": m.n_kv_heads, "model.ffn_hidden": m.ffn_hidden, "model.vocab_size": m.vocab_size,
-               "model.max_seq_len": m.max_seq_len, "model.rope_theta": m.rope_theta, "model.init_std": m.init_std})
+               "model.max_seq_len": m.max_seq_len, "model.rope_theta": m.rope_theta, "model.init_std": m.init_std,
+               "model.norm_eps": m.norm_eps})
     if m.dim % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} does not divide model.dim={m.dim}")
     if (m.dim // m.n_heads) % 2:
@@ -51,6 +81,10 @@ def validate_train(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.eval_every={t.eval_every}: must be 0 (no evaluation) or more")
     if t.ckpt_every < 0:
         raise ConfigError(f"train.ckpt_every={t.ckpt_every}: must be 0 (checkpoints only when stopped early) or more")
+    _in_range("optim.beta1", o.beta1, 0.0, 1.0, high_open=True)
+    _in_range("optim.beta2", o.beta2, 0.0, 1.0, high_open=True)
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay}: must be 0 or more")
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps}: must be 0 or more")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
@@ -60,7 +94,7 @@ def validate_train(cfg: Config, world_size: int) -> None:
     if t.global_batch_tokens is not None and t.global_batch_tokens % t.seq_len:
         raise ConfigError(f"train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
                           f"train.seq_len={t.seq_len}")
-    batch = config.global_batch(t)
+    batch = config.global_batch(t, world_size)
     per_step = world_size * t.micro_batch
     if batch % per_step:
         fits = per_step * max(batch // per_step, 1)
@@ -160,6 +194,7 @@ def validate_no_secrets(cfg: Config) -> None:
 
 def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
     """Raise ConfigError for the first setting that cannot work on `world_size` ranks."""
+    validate_values(cfg)
     _positive({"local.nproc": cfg.local.nproc})
     if cfg.cluster is not None:
         validate_cluster(cfg.cluster)

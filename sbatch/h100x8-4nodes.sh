@@ -31,7 +31,7 @@ export NCCL_DEBUG=WARN
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output runs/slurm/%j_%t_log.out --error runs/slurm/%j_%t_log.err --kill-on-bad-exit=1 apptainer exec --nv --bind "$PRETRAIN_RUN_DIR" /shared/containers/pretrain.sif python3 -m pretrain.train "$PRETRAIN_RUN_DIR" +cluster=h100x8 cluster.nodes=4 fsdp=hybrid_shard cluster.container.runtime=apptainer cluster.container.image=/shared/containers/pretrain.sif model=llama-8b train=pretrain train.micro_batch=1 fsdp.activation_checkpointing=selective
+srun --unbuffered --output runs/slurm/%j_%t_log.out --error runs/slurm/%j_%t_log.err --kill-on-bad-exit=1 --cpus-per-task=16 apptainer exec --nv --env PYTHONNOUSERSITE=1 --bind "$PRETRAIN_RUN_DIR" /shared/containers/pretrain.sif python3 -m pretrain.train "$PRETRAIN_RUN_DIR" +cluster=h100x8 cluster.nodes=4 fsdp=hybrid_shard cluster.container.runtime=apptainer cluster.container.image=/shared/containers/pretrain.sif model=llama-8b train=pretrain train.micro_batch=1 fsdp.activation_checkpointing=selective
 
 
 # teardown

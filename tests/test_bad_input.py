@@ -6,13 +6,14 @@ Adding a case is one line in CASES: the overrides and a fragment the message mus
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
 
 from pretrain import launch
 from pretrain.parallelize import CPU_ALL_REDUCE
-from tests.helpers import snapshot
+from tests.helpers import MINI_MODEL, snapshot
 
 CASES = [
     (["model.dim=0"], "model.dim=0: must be greater than 0"),
@@ -21,7 +22,7 @@ CASES = [
     (["train.steps=-1"], "train.steps=-1: must be greater than 0"),
     (["model.n_heads=5"], "model.n_heads=5 does not divide model.dim=256"),
     (["model.n_kv_heads=3"], "model.n_kv_heads=3 does not divide model.n_heads=4"),
-    (["train.global_batch=12"], "global batch 12 sequences does not divide by world size 1 x train.micro_batch=8"),
+    (["train.global_batch=12"], "global batch 12 sequences does not divide by world size 1 x train.micro_batch=16"),
     (["local.nproc=2", "train.global_batch=8"], "does not divide by world size 2"),
     (["train.global_batch_tokens=1000"], "train.global_batch_tokens=1000 is not a multiple of train.seq_len=256"),
     (["train.seq_len=4096"], "train.seq_len=4096 exceeds model.max_seq_len=1024"),
@@ -29,7 +30,7 @@ CASES = [
     (["precision.float8=blockwise"], "precision.float8='blockwise': unknown; choose one of none, tensorwise, rowwise"),
     (["precision=fp32", "precision.float8=tensorwise"], "precision.float8=tensorwise runs the other operations in bf16"),
     (["precision.float8=rowwise"], "but precision=auto; use precision=bf16 with it (or precision=fp8)"),
-    (["+cluster=a100x8", "train.global_batch=64", "precision=fp8"], "which the GPUs of cluster a100x8 lack (cluster.gpu_fp8=false)"),
+    (["+cluster=a100x8", "precision=fp8"], "which the GPUs of cluster a100x8 lack (cluster.gpu_fp8=false)"),
     (["precision.name=fp8"], "precision.name='fp8': unknown; choose one of auto, bf16, fp16, fp32"),
     (["precision=fp16"], "precision=fp16 needs a CUDA GPU"),
     (["fsdp=zero3"], "Could not find 'fsdp/zero3'"),
@@ -43,6 +44,26 @@ CASES = [
     (["model.dim=wide"], "model.dim=wide"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0: must be between 0 and 1"),
     (["--fast"], "unknown option --fast"),
+    # Values that used to pass the checks and fail on the compute node, after queueing.
+    (["optim.lr=nan"], "optim.lr=nan: must be a finite number"),
+    (["optim.lr=inf"], "optim.lr=inf: must be a finite number"),
+    (["optim.beta2=1.5"], "optim.beta2=1.5: must be in [0, 1)"),
+    (["optim.beta1=-0.1"], "optim.beta1=-0.1: must be in [0, 1)"),
+    (["optim.weight_decay=-1"], "optim.weight_decay=-1.0: must be 0 or more"),
+    (["model.norm_eps=0"], "model.norm_eps=0.0: must be greater than 0"),
+    (["train.hang_timeout_s=nan"], "train.hang_timeout_s=nan: must be a finite number"),
+    (["model.vocab_size=100"], "the built-in corpus is tokenized into 257 byte-level ids, but model.vocab_size=100"),
+    (["train.steps=1.5"], "train.steps=1.5: train.steps expects an integer"),
+    (["fsdp.compile=maybe"], "fsdp.compile=maybe: fsdp.compile expects true or false"),
+    (["fsdp=zero3"], "options in 'fsdp': full_shard, hybrid_shard, no_shard, shard_grad_op"),
+    (["hydra.run.dir=/tmp/a b(c)"], "cannot read the override 'hydra.run.dir=/tmp/a b(c)': mismatched input"),
+    (["--cfg", "hydra"], "--cfg hydra: this launcher composes with Hydra but runs nothing of Hydra's"),
+    # A line break in any value would escape the batch script (see test_sbatch_scripts.py).
+    (["+cluster=a100x8", "cluster.partition='debug\ntouch /tmp/x #'"],
+     "cluster.partition='debug\\ntouch /tmp/x #': holds the control character '\\n'"),
+    (["+cluster=a100x8", "model.name='tiny\ntouch /tmp/x'"], "model.name='tiny\\ntouch /tmp/x': holds the control"),
+    (["+cluster=a100x8", "+cluster.env.FOO='a\rb'"], "cluster.env.FOO='a\\rb': holds the control character"),
+    (["+cluster=a100x8", "+cluster.setup=['module load x\ntouch /tmp/x']"], "cluster.setup[0]="),
 ]
 if not CPU_ALL_REDUCE:  # torch 2.7: FSDP2 cannot all-reduce gradients over gloo
     CASES += [(["fsdp=no_shard", "local.nproc=2"], "fsdp.strategy=no_shard on CPUs needs torch 2.8 or newer"),
@@ -116,3 +137,76 @@ def test_run_directory_that_cannot_be_created_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and f"{blocker} is not a writable folder" in err, err
     assert blocker.read_text() == "not a folder"
+
+
+def refusal(capsys, argv: list[str]) -> str:
+    """launch.main(argv) must refuse: exit 2 and one line on stderr; returns that line."""
+    code = launch.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (code, err)
+    return err
+
+
+def test_fp8_where_it_cannot_run_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if torchao were not installed
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    err = refusal(capsys, ["precision=fp8", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert "precision.float8=tensorwise needs torchao" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_without_a_cluster_runs_and_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert launch.main(["dry_run=true", "local.nproc=2", f"hydra.run.dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "would train tiny here on 2 x CPU process: 200 steps, global batch 32 sequences" in out
+    assert "dry run: nothing was written or run" in out
+    assert not run_dir.exists()
+
+
+def test_a_folder_that_is_not_a_run_directory_is_refused_and_left_alone(tmp_path, capsys):
+    mine = tmp_path / "my-project"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my: own settings\n")
+    (mine / "notes.txt").write_text("keep me")
+    before = snapshot(mine)
+    err = refusal(capsys, ["train.steps=2", f"hydra.run.dir={mine}"])
+    assert f"hydra.run.dir={mine} is a folder of other files (config.yaml, notes.txt), not a run directory" in err
+    assert snapshot(mine) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert launch.main(["dry_run=true", f"hydra.run.dir={empty}"]) == 0  # an empty folder is fine
+
+
+def test_write_sbatch_to_a_missing_folder_or_a_folder_is_one_line(tmp_path, capsys):
+    err = refusal(capsys, ["+cluster=a100x8", f"write_sbatch={tmp_path / 'nope' / 'job.sh'}"])
+    assert f"the folder {tmp_path / 'nope'} does not exist" in err
+    err = refusal(capsys, ["+cluster=a100x8", f"write_sbatch={tmp_path}"])
+    assert f"write_sbatch={tmp_path} is a folder" in err
+
+
+def test_run_directory_under_proc_is_one_line(capsys):
+    err = refusal(capsys, ["hydra.run.dir=/proc/pretrain-run"])
+    assert "run directory /proc/pretrain-run: /proc is not a writable folder" in err
+
+
+def test_cfg_job_prints_the_config(capsys):
+    assert launch.main(["--cfg", "job", "train.steps=7"]) == 0
+    assert "steps: 7" in capsys.readouterr().out
+
+
+def test_rerun_names_what_changed_and_refuses_steps_below_the_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    base = [*MINI_MODEL, "train.eval_every=0", f"hydra.run.dir={run_dir}"]
+    assert launch.main([*base, "train.steps=4", "train.ckpt_every=4"]) == 0
+    capsys.readouterr()
+    err = refusal(capsys, [*base, "train.steps=2"])
+    assert "has a checkpoint at step 4, past train.steps=2: set train.steps above 4" in err
+    assert launch.main([*base, "train.steps=6", "train.ckpt_every=4", "optim.lr=0.001"]) == 0
+    out = capsys.readouterr().out
+    assert f"{run_dir}: settings changed since its last launch (optim.lr: 0.0003 -> 0.001; train.steps: 4 -> 6)" in out
+    assert "the earlier config is kept as config.1.yaml" in out and (run_dir / "config.1.yaml").is_file()
+    # The same command again: already at its last step, it says so instead of a NaN loss.
+    assert launch.main([*base, "train.steps=6", "train.ckpt_every=4", "optim.lr=0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train: the run is already at step 6 of train.steps=6" in out and "nan" not in out

@@ -83,10 +83,34 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
         shard.write_bytes(data)
     result = launch(*RUN, "train.steps=15", "train.ckpt_every=5", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
-    assert "step_00000010 is damaged" in result.stdout and "previous one is used" in result.stdout
+    assert "step_00000010 is damaged" in result.stdout and "an earlier one is tried" in result.stdout
     assert "resumed from" in result.stdout and "step_00000005" in result.stdout
     assert (run_dir / "checkpoints" / "step_00000010.damaged").is_dir()  # kept, not deleted
     assert_same_losses(losses(run_dir), losses(whole), [15])
+
+
+def test_damaged_only_checkpoint_stops_the_run_instead_of_restarting_from_step_0(tmp_path):
+    run_dir = tmp_path / "run"
+    args = (*RUN, "train.steps=8", "train.ckpt_every=4", "train.ckpt_keep=1", f"hydra.run.dir={run_dir}")
+    assert launch(*args, "train.stop_at_step=4").returncode == 0
+    shard = next((run_dir / "checkpoints" / "step_00000004").glob("__0_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    before = losses(run_dir)
+    refused = launch(*args)
+    assert refused.returncode == 1
+    aside = run_dir / "checkpoints" / "step_00000004.damaged"
+    assert f"error: every checkpoint of this run is damaged (set aside as {aside}); nothing was trained. " \
+           "To start this run directory again from step 0, rerun with train.start_from_scratch=true" in refused.stderr
+    assert "an earlier one is tried" in refused.stdout and "previous one is used" not in refused.stdout
+    assert losses(run_dir) == before and aside.is_dir()  # nothing trained, nothing overwritten
+    # Rerun as it was: now refused before anything starts (the launcher sees the set-aside checkpoint).
+    refused_again = launch(*args)
+    assert refused_again.returncode == 2 and "every checkpoint of this run is damaged" in refused_again.stderr
+    assert losses(run_dir) == before
+    again = launch(*args, "train.start_from_scratch=true")
+    assert again.returncode == 0, again.stderr
+    assert "starting from step 0 (train.start_from_scratch=true)" in again.stdout
+    assert sorted(losses(run_dir)) == list(range(1, 9)) and aside.is_dir()
 
 
 def test_nan_steps_are_skipped_and_counted(tmp_path):

@@ -56,8 +56,21 @@ def test_two_ranks_pass_and_the_result_is_logged(tmp_path):
     assert record["matmul_n"] == 256 and record["allreduce_mib"] == 16
     assert [r["rank"] for r in record["ranks"]] == [0, 1] and all(r["tflops"] > 0 for r in record["ranks"])
     assert record["busbw_gbps"] > 0
+    import os
+
+    assert [r["cpus"] for r in record["ranks"]] == [len(os.sched_getaffinity(0))] * 2  # what each rank may run on
+    assert [r["device"] for r in record["ranks"]] == ["cpu", "cpu"]
     assert "preflight passed" in (run_dir / "train.log").read_text()
     assert max(losses(run_dir)) == 4
+
+
+def test_two_ranks_driving_one_gpu_fail_the_preflight():
+    from pretrain.preflight import DeviceResult, shared_devices
+
+    results = [DeviceResult(0, "n1", 1.0, 0, 1, "GPU-a"), DeviceResult(1, "n1", 1.0, 0, 1, "GPU-a"),
+               DeviceResult(2, "n2", 1.0, 0, 1, "GPU-a"), DeviceResult(3, "n2", 1.0, 0, 1, "GPU-b")]
+    assert shared_devices(results) == ["rank 1 drives the same GPU as rank 0 on n1 (GPU-a)"]
+    assert shared_devices([DeviceResult(0, "n1", 1.0, 0, 1), DeviceResult(1, "n1", 1.0, 0, 1)]) == []  # CPUs
 
 
 def failed_run(tmp_path, *overrides: str, env: dict | None = None) -> tuple[str, dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import report
+from pretrain import report, runs
 from tests.helpers import REPO, launch, losses
 
 SHORT = ("train.steps=6", "train.log_every=2", "train.eval_every=0", "train.seq_len=64", "train.global_batch=8",
@@ -89,3 +89,25 @@ def test_report_of_a_folder_without_runs_says_so(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {tmp_path} is neither a run directory nor a sweep directory " \
                                     "(none with a config.yaml)"
+
+
+def test_status_lists_local_runs_and_reads_a_half_written_metrics_line(sweep, tmp_path, capsys):
+    from pretrain import status
+
+    assert status.main([str(sweep)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(rows) == 3
+    for job, state, restarts, step, loss, run in rows:
+        assert (job, state, restarts, step) == ("-", "FINISHED", "0", "6")
+        assert float(loss) == pytest.approx(losses(Path(run))[6], abs=1e-4)
+    # A run being written: its last line is cut short; status shows the last whole record.
+    run_dir = tmp_path / "running"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text((next(sweep.iterdir()) / "config.yaml").read_text())
+    runs.mark(run_dir)
+    (run_dir / "metrics.jsonl").write_text('{"step": 2, "loss": 5.5}\n{"step": 4, "lo')
+    assert status.main([str(tmp_path)]) == 0
+    assert ["-", "LOCAL", "0", "2", "5.5000", str(run_dir.resolve())] in [
+        line.split() for line in capsys.readouterr().out.splitlines()]
+    assert status.main([str(tmp_path / "nothing-here")]) == 1
+    assert "no runs under" in capsys.readouterr().err

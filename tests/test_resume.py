@@ -88,3 +88,66 @@ def test_unfinished_checkpoint_is_ignored_and_removed(tmp_path):
     assert "step_00000010" in result.stdout
     assert not (ckpts / "step_00000015.partial").exists()
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000015", "step_00000020"]  # ckpt_keep=2
+
+
+def start_in_terminal(*overrides: str):
+    """`python -m pretrain.launch` in a process group of its own, as a shell runs a foreground command."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    return subprocess.Popen([sys.executable, "-m", "pretrain.launch", *overrides], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def ctrl_c(proc) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the whole foreground process group."""
+    import os
+    import signal
+
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def wait_for_step(run_dir, step: int, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").is_file() and max(losses(run_dir), default=0) >= step):
+        assert time.monotonic() < deadline, f"{run_dir} did not reach step {step}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path, nproc):
+    from pretrain.checkpoint import complete_checkpoints
+
+    run_dir = tmp_path / "run"
+    args = (*RUN, "train.steps=500", f"local.nproc={nproc}", "train.global_batch=16", "train.micro_batch=8")
+    proc = start_in_terminal(*args, f"hydra.run.dir={run_dir}")
+    wait_for_step(run_dir, 3)
+    ctrl_c(proc)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    assert "(SIGINT); rerun the same run directory to resume from" in out
+    assert f"stopped with a checkpoint; to resume: python -m pretrain.launch " in err
+    assert f"hydra.run.dir={run_dir}" in err
+    saved = complete_checkpoints(run_dir / "checkpoints")
+    assert saved and int(saved[-1].name.removeprefix("step_")) == max(losses(run_dir))
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = start_in_terminal("train.steps=500", "train.log_every=1", "train.eval_every=0", "local.nproc=2",
+                             f"hydra.run.dir={run_dir}")  # the tiny model: a step takes long enough for two Ctrl-Cs
+    wait_for_step(run_dir, 2)
+    ctrl_c(proc)
+    time.sleep(0.2)
+    ctrl_c(proc)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "second Ctrl-C: aborting now, without a checkpoint (the last one is intact)" in err
+    assert "Traceback" not in out + err

@@ -54,6 +54,17 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
     raise TimeoutError(f"{run_dir} did not reach step {step}")
 
 
+def status_row(cluster: SlurmCluster, run_dir: Path) -> list[str]:
+    """`python -m pretrain.status RUN`'s row: job, state, restarts, step, loss, run."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "pretrain.status", str(run_dir)], capture_output=True, text=True,
+                            env={**os.environ, **cluster.env}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()[1].split()
+
+
 def test_two_node_job_completes_and_launch_returns_at_once(slurm_cluster, cluster_conf, tmp_path):
     run_dir = tmp_path / "run"
     started = time.monotonic()
@@ -67,7 +78,11 @@ def test_two_node_job_completes_and_launch_returns_at_once(slurm_cluster, cluste
     assert slurm_cluster.squeue_state(job) in ("PENDING", "CONFIGURING", "RUNNING"), elapsed
     assert elapsed < 20
 
+    during = status_row(slurm_cluster, run_dir)
+    assert during[0] == job and during[1] in ("PENDING", "CONFIGURING", "RUNNING"), during
+
     assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", slurm_cluster.describe_job(job)
+    assert status_row(slurm_cluster, run_dir)[:4] == [job, "COMPLETED", "0", "24"]
     alloc = [r for r in slurm_cluster.sacct(job) if r["JobID"] == job][-1]
     assert alloc["NodeList"] == "n[1-2]" and "gres/gpu=4" in alloc["AllocTRES"]
     curve = losses(run_dir)
@@ -79,9 +94,55 @@ def test_two_node_job_completes_and_launch_returns_at_once(slurm_cluster, cluste
         assert (run_dir / "slurm" / f"{job}_{rank}_log.err").is_file()
 
 
+SHIPPED_CLUSTERS = sorted(p.stem for p in (REPO / "conf" / "cluster").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize("name", SHIPPED_CLUSTERS)
+def test_every_shipped_cluster_dry_runs_with_nothing_else(tmp_path, capsys, monkeypatch, name, nodes):
+    from pretrain import launch as launcher
+
+    (tmp_path / "pretrain.sif").write_text("stand-in")  # h100x8's image is ~/pretrain.sif; the others run on the host
+    monkeypatch.setenv("PATH", f"{REPO / 'tests' / 'fake_container'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = [f"+cluster={name}", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    code = launcher.main(args + ([] if nodes == 1 else [f"cluster.nodes={nodes}"]))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"#SBATCH --nodes={nodes}" in out and "# dry run: nothing was written or submitted" in out
+    assert not (tmp_path / "run").exists()
+
+
+# A shipped cluster file shrunk to the local test cluster: the job is what `+cluster=NAME` alone submits.
+LOCAL_SIZES = ("cluster.partition=debug", "cluster.gpus_per_node=2", "cluster.cpus_per_task=1", "cluster.mem_gb=null",
+               "cluster.time_min=10", "cluster.signal_delay_s=30", "+cluster.env.OMP_NUM_THREADS=1")
+
+
+def test_shipped_clusters_submit_and_complete_with_their_defaults(slurm_cluster, tmp_path):
+    image = tmp_path / "pretrain.sif"
+    image.write_text("stand-in image")
+    env = {**slurm_cluster.env, "PATH": f"{REPO / 'tests' / 'fake_container'}{os.pathsep}{os.environ['PATH']}",
+           "FAKE_CONTAINER_RECORD": str(tmp_path / "container.jsonl"), "FAKE_CONTAINER_PATH": os.environ["PATH"]}
+    points = {"a100x8": [], "a100x8-2nodes": ["cluster.nodes=2"], "a100x4": [],
+              "h100x8": [f"cluster.container.image={image}"]}
+    jobs = {}
+    for label, extra in points.items():
+        run_dir = tmp_path / label
+        result = launch(f"+cluster={label.split('-')[0]}", *LOCAL_SIZES, *extra, "train.steps=4",
+                        f"hydra.run.dir={run_dir}", env=env, timeout=120)
+        assert result.returncode == 0, result.stderr + result.stdout
+        jobs[label] = (job_id_of(run_dir), run_dir)
+    for label, (job, run_dir) in jobs.items():
+        assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", (label, slurm_cluster.describe_job(job))
+        world = 4 if label == "a100x8-2nodes" else 2
+        assert f"world size {world}, global batch {16 * world} = 1 micro-batch of 16" in (run_dir / "train.log").read_text()
+        assert max(losses(run_dir)) == 4
+    assert (tmp_path / "container.jsonl").is_file()  # h100x8's tasks ran in the (stand-in) container
+
+
 def test_dry_run_shows_the_script_and_submits_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    result = launch("+cluster=a100x8", "cluster.nodes=4", "dry_run=true", "train.global_batch=256",
+    result = launch("+cluster=a100x8", "cluster.nodes=4", "dry_run=true",
                     "train.micro_batch=2", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -95,7 +156,7 @@ def test_dry_run_shows_the_script_and_submits_nothing(tmp_path):
 
 def test_dry_run_quotes_values_instead_of_running_them(tmp_path):
     marker = tmp_path / "pwned"
-    result = launch("+cluster=a100x8", "dry_run=true", "train.global_batch=64",
+    result = launch("+cluster=a100x8", "dry_run=true",
                     f"+cluster.env.EVIL='$(touch {marker}); `touch {marker}`'", f"hydra.run.dir={tmp_path}/my run")
     assert result.returncode == 0, result.stderr
     script = result.stdout.split("# each of the")[0]

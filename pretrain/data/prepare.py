@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
 COPY_BUFFER_BYTES = 1 << 20
+TEXT_PROBE_BYTES = 8192
 
 
 def prepare(
@@ -46,7 +47,8 @@ def prepare(
 
 
 def find_input_files(inputs: Sequence[Path]) -> list[Path]:
-    """Explicit files as given, plus the supported files inside folders (sorted)."""
+    """Explicit files as given, plus the supported files inside folders (sorted); each file once,
+    however many paths (symbolic links, overlapping folders) lead to it; every one of them text."""
     suffixes = (*TEXT_SUFFIXES, JSONL_SUFFIX)
     files: list[Path] = []
     for path in inputs:
@@ -59,7 +61,18 @@ def find_input_files(inputs: Sequence[Path]) -> list[Path]:
     if not files:
         searched = ", ".join(str(path) for path in inputs) or "(no inputs given)"
         raise DataError(f"no input files ({', '.join(suffixes)}) found in {searched}")
-    return files
+    unique = list({path.resolve(): path for path in reversed(files)}.values())[::-1]
+    for path in unique:
+        check_is_text(path)
+    return unique
+
+
+def check_is_text(path: Path) -> None:
+    """Refuse a file that is not text (a NUL byte in its first block, as in any binary: ELF, images, archives)."""
+    with open(path, "rb") as head:
+        if b"\0" in head.read(TEXT_PROBE_BYTES):
+            raise DataError(f"input {path} is not a text file (it holds NUL bytes, like a program or an archive); "
+                            "give text, markdown or jsonl files")
 
 
 def iter_documents(files: Iterable[Path]) -> Iterator[str]:
@@ -105,7 +118,9 @@ def write_dataset(
     if tokenizer.eos_id is None:
         log.warning("tokenizer %s has no EOS token: documents are not separated", tokenizer.name)
     dtype = token_dtype(tokenizer.vocab_size)
+    created = not out.exists()
     staging = _make_staging_dir(out)
+    published = False
     try:
         num_tokens = _write_tokens(documents, tokenizer, dtype, bin_file(staging, "train"))
         if num_tokens == 0:
@@ -123,8 +138,11 @@ def write_dataset(
         }
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         _publish(staging, out)
+        published = True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if created and not published:
+            shutil.rmtree(out, ignore_errors=True)  # a failed first prepare leaves no folder behind
     return out
 
 

@@ -230,6 +230,16 @@ class SlurmCluster:
         parts.append("slurmctld log tail:\n" + self.log_tail("slurmctld"))
         return "\n".join(parts)
 
+    def kill_node(self, name: str) -> None:
+        """Node `name` dies at once: its slurmd, step daemons and job processes (localcluster.sh node-kill)."""
+        proc = _run_script("node-kill", str(self.dir), name, extra_env=self.script_env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+
+    def start_node(self, name: str) -> None:
+        """Node `name` comes back: its slurmd starts and slurmctld has it in service again."""
+        proc = _run_script("node-start", str(self.dir), name, extra_env=self.script_env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+
     def log_tail(self, daemon: str, lines: int = 30) -> str:
         """Last lines of DIR/log/DAEMON.log (munged, mariadbd, slurmdbd, slurmctld, slurmd-n1, slurmd-n2)."""
         path = self.log_dir / f"{daemon}.log"

@@ -19,6 +19,10 @@
 #                                    `start DIR` started (pid files in DIR/run)
 #   localcluster.sh status DIR       show which of its daemons run, and sinfo;
 #                                    exit status 3 if any of them is not running
+#   localcluster.sh node-kill DIR N  kill node N at once (its slurmd, step daemons
+#                                    and job processes), as a power cut would
+#   localcluster.sh node-start DIR N start node N's slurmd again and wait until
+#                                    slurmctld has it back in service
 #
 # The cluster: ClusterName=localcluster, two nodes n1 and n2 (two slurmd on this
 # host, MULTIPLE_SLURMD), each CPUs=4, RealMemory=4000, 2 fake GPUs (gres gpu:2,
@@ -516,12 +520,49 @@ cmd_status() {
 }
 
 # ---------------------------------------------------------------------------
+# one node: a power cut, and the node coming back
+
+# Every process of node NAME at once (SIGKILL): its slurmd, its step daemons and
+# the job processes under them, as when a node loses power.
+cmd_node_kill() {
+    local name=$NODE pid cwd roots=()
+    pid=$(pid_of "slurmd-$name")
+    is_ours "$pid" && roots+=("$pid")
+    for pid in $(pgrep -x slurmstepd || true); do
+        cwd=$(readlink "/proc/$pid/cwd" 2>/dev/null) || continue
+        [[ $cwd == "$DIR/spool/$name" ]] && roots+=("$pid")
+    done
+    ((${#roots[@]})) || die "nothing of node $name is running"
+    # Stop them first so that none forks or reports while the others die.
+    for pid in $(with_descendants "${roots[*]}"); do kill -STOP "$pid" 2>/dev/null || true; done
+    for pid in $(with_descendants "${roots[*]}"); do kill -KILL "$pid" 2>/dev/null || true; done
+    rm -f "$RUN/slurmd-$name.pid"
+    log "node $name killed (slurmd and ${#roots[@]} daemons with their processes)"
+}
+
+node_up() { # slurmctld sees node NAME answering again
+    slurm scontrol show node "$NODE" | grep -qE 'State=(IDLE|ALLOCATED|MIXED)'
+}
+
+cmd_node_start() {
+    T0=${EPOCHREALTIME/[,.]*/}${EPOCHREALTIME#*[,.]}
+    alive "slurmd-$NODE" && die "slurmd of node $NODE is running already"
+    spawn "slurmd-$NODE" "$DIR/spool/$NODE" env SLURM_CONF="$CONF" slurmd -D -N "$NODE" -f "$CONF"
+    wait_for "slurmd-$NODE" "node $NODE to be back in service" node_up
+}
+
+# ---------------------------------------------------------------------------
 
 main() {
     local cmd=${1:-}
     case $cmd in
         install) cmd_install; return ;;
         start | stop | status) ;;
+        node-kill | node-start)
+            [[ $# -eq 3 && -n $3 ]] || usage
+            NODE=$3
+            cmd=${cmd/-/_}
+            set -- "$1" "$2" ;;
         *) usage ;;
     esac
     [[ $# -eq 2 && -n $2 ]] || usage

@@ -1,0 +1,81 @@
+"""Faults on the local Slurm cluster: a node that dies in the middle of a job, and a checkpoint folder
+that turns read-only while a job writes to it."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from pretrain.checkpoint import complete_checkpoints, problems
+from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
+from tests.test_slurm_submit import (PREEMPT, assert_resumed_to_the_same_end, job_id_of, losses, submit,  # noqa: F401
+                                     uninterrupted_loss, wait_for_step, write_cluster_conf)
+
+pytestmark = pytest.mark.slurm
+
+
+def wait_until_requeued(cluster: SlurmCluster, job: str, timeout: float = 180) -> None:
+    """Until Slurm has taken the job off its nodes to run it again (PENDING, or a REQUEUED/NODE_FAIL record)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {r["State"].split()[0] for r in cluster.sacct(job) if r["JobID"] == job}
+        if cluster.squeue_state(job) == "PENDING" or states & {"REQUEUED", "NODE_FAIL"}:
+            return
+        time.sleep(1)
+    raise TimeoutError(f"job {job} was not requeued: {cluster.describe_job(job)}")
+
+
+def test_a_node_that_dies_mid_job_is_requeued_and_resumes_to_the_same_loss(slurm_cluster, tmp_path,
+                                                                           uninterrupted_loss):
+    run_dir = tmp_path / "run"
+    assert submit(slurm_cluster, write_cluster_conf(tmp_path), *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    job = job_id_of(run_dir)
+    wait_for_step(run_dir, 12)
+    slurm_cluster.kill_node("n2")  # slurmd, step daemons and ranks 2 and 3: a power cut
+    try:
+        wait_until_requeued(slurm_cluster, job)
+    finally:
+        slurm_cluster.start_node("n2")  # the node comes back; the requeued job needs both
+    assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
+
+
+@contextmanager
+def read_only(folder: Path):
+    """`folder` read-only for everyone, root included (a read-only bind mount over itself)."""
+    mounted = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot bind-mount here (needs root): {mounted.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_read_only_checkpoint_folder_stops_the_job_with_the_previous_checkpoint_intact(slurm_cluster, tmp_path,
+                                                                                       uninterrupted_loss):
+    run_dir = tmp_path / "run"
+    conf = write_cluster_conf(tmp_path)
+    assert submit(slurm_cluster, conf, *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    job = job_id_of(run_dir)
+    root = run_dir / "checkpoints"
+    wait_for_step(run_dir, 11)
+    with read_only(root):
+        assert slurm_cluster.wait_job(job, timeout=300) == "FAILED", slurm_cluster.describe_job(job)
+        saved = complete_checkpoints(root)
+        assert [p.name for p in saved] == ["step_00000010"] and problems(saved[0]) == []
+    assert slurm_cluster.restarts(job) == 0  # an error a requeue would repeat: not requeued
+    errors = (run_dir / "slurm" / f"{job}_0_log.err").read_text()
+    assert "error: the checkpoint of step 20 could not be written (cannot create " in errors
+    assert f"Read-only file system); the previous checkpoint {root / 'step_00000010'} is intact" in errors
+    assert "then rerun the same run directory to resume" in errors
+    assert "Traceback" not in errors
+    # Writable again: the same run directory resumes from step 10 and ends as an uninterrupted run would.
+    assert submit(slurm_cluster, conf, *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    again = job_id_of(run_dir)
+    assert slurm_cluster.wait_job(again, timeout=300) == "COMPLETED", slurm_cluster.describe_job(again)
+    assert losses(run_dir)[30] == pytest.approx(uninterrupted_loss, abs=1e-6)

@@ -75,7 +75,7 @@ def _on_rank_0(action, what: str) -> None:
         try:
             action()
         except OSError as error:
-            failure[0] = f"{what}: {error.strerror or error} ({error.filename or ''})".replace(" ()", "")
+            failure[0] = f"{what}: {error.strerror or error}"
     dist.broadcast_object_list(failure, src=0)
     if failure[0]:
         raise CheckpointWriteError(failure[0])

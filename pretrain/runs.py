@@ -23,6 +23,16 @@ MARKER = ".pretrain-run"
 LOCK_FILE = ".lock"
 # Set by the local launcher for its ranks to the run directory whose lock it holds for them.
 LOCK_HELD_ENV = "PRETRAIN_RUN_LOCK_HELD"
+# Left by a rank that stopped on an error a rerun would repeat (its one-line message): the batch
+# script does not requeue then, whatever exit codes srun reports for the ranks it had to kill.
+FAILED_MARKER = ".failed"
+
+
+def record_failure(run_dir: Path, message: str) -> None:
+    """Note an error that a requeue would repeat, for the batch script (every failing rank appends)."""
+    if Path(run_dir).is_dir():
+        with (Path(run_dir) / FAILED_MARKER).open("a") as f:
+            f.write(message.replace("\n", " ") + "\n")
 
 
 def is_run_dir(path: Path) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 from pretrain import preflight
 from pretrain.config import ClusterConfig, Config, ConfigError
 from pretrain.preemption import EXIT_STOPPED, REQUEUE_REQUEST
+from pretrain.runs import FAILED_MARKER
 from pretrain.watchdog import EXIT_HUNG
 
 # sbatch's --signal names the signal submitit's job environment listens on; ours listens too.
@@ -76,6 +77,8 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
         *run_dir_definition,
         "# Ranks and the rendezvous come from Slurm, not from the environment sbatch was called in.",
         "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT",
+        "# An error noted by the last attempt is not this one's.",
+        f'rm -f "$PRETRAIN_RUN_DIR/{FAILED_MARKER}"',
         "# Preemption also signals this script: carry on to the requeue check below once srun returns.",
         "trap 'PRETRAIN_GOT_TERM=1; echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
     ]
@@ -87,9 +90,10 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
 
 def teardown_lines(cluster: ClusterConfig) -> list[str]:
     """Lines the batch script runs on the host after srun: requeue if training asked for it, or if a
-    rank crashed, hung or lost a collective (exit codes other than 0, 1 and 2: 1 and 2 are errors
-    that a rerun would repeat, such as a bad config or a diverged loss), or without the nodes that
-    failed the preflight check, if any did."""
+    rank crashed, hung or lost a collective (exit codes above 2), or without the nodes that failed
+    the preflight check, if any did; never after an error a rerun would repeat (a bad config, a
+    diverged loss, an unwritable checkpoint): the rank that met it notes it in FAILED_MARKER, since
+    srun reports the ranks it then had to kill with their signal's exit codes."""
     limit = cluster.max_requeues
     return [
         "pretrain_srun_status=$?",
@@ -109,6 +113,9 @@ def teardown_lines(cluster: ClusterConfig) -> list[str]:
         f'elif [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
         f'  rm -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
         '  pretrain_requeue "stopped with a checkpoint before the time limit"',
+        f'elif [ -s "$PRETRAIN_RUN_DIR/{FAILED_MARKER}" ]; then',
+        f'  echo "pretrain: not requeued: the training stopped on an error a requeue would repeat: '
+        f'$(head -n 1 "$PRETRAIN_RUN_DIR/{FAILED_MARKER}")" >&2',
         'elif [ -z "${PRETRAIN_GOT_TERM:-}" ] && [ "$pretrain_srun_status" -gt 2 ]; then',
         '  pretrain_requeue "a task failed with exit code $pretrain_srun_status"',
         "fi",

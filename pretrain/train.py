@@ -539,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(cfg, prepare)
     except (config.ConfigError, checkpoint.CheckpointError, DataError, TrainingError, runs.RunLocked) as err:
         print(f"error: {err}", file=sys.stderr)
+        runs.record_failure(run_dir, str(err))
         return 1
     return preemption.EXIT_STOPPED if result["stopped_early"] else 0
 

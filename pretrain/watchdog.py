@@ -39,7 +39,10 @@ class StepWatchdog:
         self.last_beat = time.monotonic()
 
     def stop(self) -> None:
+        """End the watch and wait for the thread: nothing of it may outlive the process group."""
         self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def _watch(self) -> None:
         poll = min(max(self.timeout_s / 10, 0.5), 10.0)

@@ -25,6 +25,8 @@ export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/sbatch-$SLUR
 mkdir -p "$PRETRAIN_RUN_DIR"
 # Ranks and the rendezvous come from Slurm, not from the environment sbatch was called in.
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
+# An error noted by the last attempt is not this one's.
+rm -f "$PRETRAIN_RUN_DIR/.failed"
 # Preemption also signals this script: carry on to the requeue check below once srun returns.
 trap 'PRETRAIN_GOT_TERM=1; echo "pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint" >&2' TERM
 export NCCL_DEBUG=WARN
@@ -60,6 +62,8 @@ if [ -s "$PRETRAIN_RUN_DIR/.exclude_nodes" ]; then
 elif [ -f "$PRETRAIN_RUN_DIR/.requeue" ]; then
   rm -f "$PRETRAIN_RUN_DIR/.requeue"
   pretrain_requeue "stopped with a checkpoint before the time limit"
+elif [ -s "$PRETRAIN_RUN_DIR/.failed" ]; then
+  echo "pretrain: not requeued: the training stopped on an error a requeue would repeat: $(head -n 1 "$PRETRAIN_RUN_DIR/.failed")" >&2
 elif [ -z "${PRETRAIN_GOT_TERM:-}" ] && [ "$pretrain_srun_status" -gt 2 ]; then
   pretrain_requeue "a task failed with exit code $pretrain_srun_status"
 fi

@@ -126,7 +126,7 @@ def test_prepare_failing_midway_leaves_no_dataset(corpus: Path, tmp_path: Path):
     out = tmp_path / "data"
     with pytest.raises(DataError, match=r'd\.jsonl:2: record has no string "text" field'):
         prepare([corpus], out)
-    assert list(out.iterdir()) == []  # no meta.json, no bins, no staging leftovers
+    assert not out.exists()  # a first prepare that fails leaves no folder (not even an empty one)
 
     with pytest.raises(DataError, match="no such file or directory"):
         prepare([tmp_path / "missing.txt"], tmp_path / "never")
@@ -157,6 +157,27 @@ def test_prepare_errors(tmp_path: Path):
     with pytest.raises(DataError) as excinfo:
         prepare([tmp_path / "doc.txt"], tmp_path / "doc.txt" / "out")  # a path below a file
     assert "not writable" in one_line_error(excinfo)
+
+
+def test_prepare_refuses_a_file_that_is_not_text(tmp_path: Path):
+    import shutil
+    import sys
+
+    program = tmp_path / "python.txt"  # a binary, whatever its name says
+    shutil.copy(sys.executable if Path(sys.executable).stat().st_size < 50_000_000 else "/bin/ls", program)
+    with pytest.raises(DataError) as excinfo:
+        prepare([program], tmp_path / "out")
+    assert f"input {program} is not a text file (it holds NUL bytes" in one_line_error(excinfo)
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_counts_a_file_reached_twice_once(corpus: Path, tmp_path: Path):
+    once = prepare([corpus], tmp_path / "once")
+    (corpus / "link.txt").symlink_to(corpus / "a.txt")  # the same document under a second name
+    twice = prepare([corpus, corpus / "a.txt"], tmp_path / "twice")  # and given again explicitly
+    meta = [json.loads((d / "meta.json").read_text()) for d in (once, twice)]
+    assert meta[0]["num_tokens"] == meta[1]["num_tokens"]
+    assert (once / "train.bin").read_bytes() == (twice / "train.bin").read_bytes()
 
 
 # Built-in corpus

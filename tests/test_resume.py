@@ -151,3 +151,17 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     assert proc.returncode == 130, err
     assert "second Ctrl-C: aborting now, without a checkpoint (the last one is intact)" in err
     assert "Traceback" not in out + err
+
+
+def test_two_process_resume_ends_cleanly_every_time(tmp_path):
+    """Once in three such runs a rank used to abort at exit ("terminate called without an active
+    exception", exit -6) after its final checkpoint, and the launcher reported a finished run as failed."""
+    args = (*RUN, "local.nproc=2", "train.global_batch=16", "train.micro_batch=8", "train.stop_at_step=10")
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        for leg in ("first", "resumed"):
+            result = launch(*args, f"hydra.run.dir={run_dir}")
+            logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+            assert result.returncode == 0, (attempt, leg, result.stderr[-2000:], logs[-2000:])
+            assert "terminate called" not in result.stderr + logs
+        assert max(losses(run_dir)) == 20

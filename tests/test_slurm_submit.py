@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import MINI_MODEL, REPO, last_step_record, launch, losses
+from tests.helpers import MINI_MODEL, REPO, last_step_record, launch, losses, metrics
 from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -140,6 +140,23 @@ def test_shipped_clusters_submit_and_complete_with_their_defaults(slurm_cluster,
     assert (tmp_path / "container.jsonl").is_file()  # h100x8's tasks ran in the (stand-in) container
 
 
+def test_each_task_runs_on_the_cpus_it_asked_for(slurm_cluster, tmp_path):
+    """srun gets --cpus-per-task (it no longer inherits it from sbatch since Slurm 22.05): each rank's CPU
+    affinity, as the preflight records it, is cluster.cpus_per_task (the test cluster binds tasks to CPUs)."""
+    jobs = []
+    for gpus, cpus in ((1, 2), (2, 1)):
+        run_dir = tmp_path / f"{gpus}x{cpus}"
+        conf = write_cluster_conf(tmp_path / f"conf-{run_dir.name}", nodes=1, gpus_per_node=gpus, cpus_per_task=cpus)
+        result = submit(slurm_cluster, conf, "train.steps=2", *TRAIN, *MINI_MODEL, f"hydra.run.dir={run_dir}")
+        assert result.returncode == 0, result.stderr + result.stdout
+        jobs.append((job_id_of(run_dir), run_dir, gpus, cpus))
+    for job, run_dir, gpus, cpus in jobs:
+        assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", slurm_cluster.describe_job(job)
+        assert f"--cpus-per-task={cpus}" in (run_dir / "slurm" / f"{job}_submission.sh").read_text()
+        record = next(r for r in metrics(run_dir) if r.get("preflight") == "passed")
+        assert [r["cpus"] for r in record["ranks"]] == [cpus] * gpus, record["ranks"]
+
+
 def test_dry_run_shows_the_script_and_submits_nothing(tmp_path):
     run_dir = tmp_path / "run"
     result = launch("+cluster=a100x8", "cluster.nodes=4", "dry_run=true",
@@ -205,10 +222,12 @@ def uninterrupted_loss(slurm_cluster, tmp_path_factory) -> float:
     return losses(run_dir)[30]
 
 
-def assert_resumed_to_the_same_end(cluster: SlurmCluster, run_dir: Path, job: str, reference: float) -> None:
+def assert_resumed_to_the_same_end(cluster: SlurmCluster, run_dir: Path, job: str, reference: float,
+                                   requeued_as: tuple[str, ...] = ("REQUEUED",)) -> None:
     assert cluster.wait_job(job, timeout=400) == "COMPLETED", cluster.describe_job(job)
     assert cluster.restarts(job) >= 1
-    assert any(r["State"] == "REQUEUED" for r in cluster.sacct(job) if r["JobID"] == job)
+    states = [r["State"] for r in cluster.sacct(job) if r["JobID"] == job]
+    assert any(state.split()[0] in requeued_as for state in states), states
     assert "resumed from" in (run_dir / "train.log").read_text()
     assert losses(run_dir)[30] == pytest.approx(reference, abs=1e-6)
     assert last_step_record(run_dir)["restarts"] >= 1

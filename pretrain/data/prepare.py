@@ -61,7 +61,10 @@ def find_input_files(inputs: Sequence[Path]) -> list[Path]:
     if not files:
         searched = ", ".join(str(path) for path in inputs) or "(no inputs given)"
         raise DataError(f"no input files ({', '.join(suffixes)}) found in {searched}")
-    unique = list({path.resolve(): path for path in reversed(files)}.values())[::-1]
+    first_paths: dict[Path, Path] = {}
+    for path in files:
+        first_paths.setdefault(path.resolve(), path)
+    unique = list(first_paths.values())
     for path in unique:
         check_is_text(path)
     return unique

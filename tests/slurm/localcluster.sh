@@ -25,7 +25,7 @@
 #                                    slurmctld has it back in service
 #
 # The cluster: ClusterName=localcluster, two nodes n1 and n2 (two slurmd on this
-# host, MULTIPLE_SLURMD), each CPUs=4, RealMemory=4000, 2 fake GPUs (gres gpu:2,
+# host, MULTIPLE_SLURMD), each CPUs=2 (task/affinity binds tasks to them), RealMemory=4000, 2 fake GPUs (gres gpu:2,
 # character devices under DIR/dev), one partition `debug` (Default, no time
 # limit), accounting through slurmdbd + MariaDB so `sacct` works, requeued jobs
 # restart after about 10 s.
@@ -235,7 +235,8 @@ TmpFS=$DIR/tmp
 MailProg=/bin/true
 
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# Tasks are bound to the CPUs their step was given, as on real clusters, so a test can see them.
+TaskPlugin=task/affinity
 MpiDefault=none
 SwitchType=switch/none
 SelectType=select/cons_tres
@@ -262,7 +263,7 @@ AccountingStorageTRES=gres/gpu
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 
-NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 1)) CPUs=4 RealMemory=4000 Gres=gpu:2 State=UNKNOWN
+NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 1)) CPUs=2 RealMemory=4000 Gres=gpu:2 State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
 EOF
 

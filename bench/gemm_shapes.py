@@ -27,7 +27,7 @@ CEILING_N = 8192  # the square product whose rate is the card's practical ceilin
 
 
 def model_config(model: str):
-    from pretrain.launch import compose
+    from pretrain.compose import compose
 
     return compose([f"model={model}"]).model
 

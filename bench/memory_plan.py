@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO))
 
-from pretrain import flops, plan  # noqa: E402
-from pretrain.launch import compose  # noqa: E402
+from pretrain import flops
+from pretrain.launcher import plan  # noqa: E402
+from pretrain.compose import compose  # noqa: E402
 
 GIB = 2**30
 # About 52M parameters with a 32k vocabulary (tests/test_plan.py measures two of these in CI).
@@ -62,8 +63,8 @@ def stamp() -> dict[str, Any]:
 
 def probe_cpu(world: int, overrides: list[str]) -> list[float]:
     """Each rank's peak resident-memory increase (GiB) over its pre-model baseline."""
-    from pretrain.distributed import free_port
-    from pretrain.local import rank_env
+    from pretrain.hosts import free_port
+    from pretrain.launcher.local import rank_env
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,17 +44,23 @@ def category(name: str) -> str:
 
 
 def build_trainer(overrides: list[str], run_dir: Path):
-    from pretrain import distributed, launch, local, logs, train
+    from pretrain.compose import compose
+    from pretrain.data import source
+    from pretrain.hosts import free_port
+    from pretrain.launcher import local, preparation
+    from pretrain.launcher.world import world_of
+    from pretrain.trainer import distributed, logs, loop
 
-    cfg = launch.compose(overrides + [f"hydra.run.dir={run_dir}"])
-    launch.check_run(cfg)
-    launch.write_run(cfg)
-    os.environ.update(local.rank_env(0, 1, distributed.free_port()))
+    cfg = compose(overrides + [f"hydra.run.dir={run_dir}"])
+    preparation.check_config(cfg, world_of(cfg))
+    preparation.write_run(cfg)
+    os.environ.update(local.rank_env(0, 1, free_port()))
     env = distributed.detect()
     device = distributed.device_for(env)
     distributed.init_process_group(env, device)
     logs.setup(run_dir, env.rank)
-    return train.Trainer(cfg, env, device), cfg
+    source.ensure(cfg)
+    return loop.Trainer(cfg, env, device), cfg
 
 
 def profile(trainer, warmup: int, steps: int):

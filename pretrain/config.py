@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from hydra.core.config_store import ConfigStore
-
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
@@ -25,15 +23,16 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    # The defaults are the `tiny` preset (conf/model/tiny.yaml): about 3M parameters.
     name: str = "tiny"
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 4
     # Key/value heads for grouped-query attention; null means one per query head.
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = 2
     ffn_hidden: int = 768
     vocab_size: int = 320
-    max_seq_len: int = 4096
+    max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -246,6 +245,9 @@ class Config:
     dry_run: bool = False
     # With +cluster: write a standalone sbatch script to this path (for `sbatch` by hand) and submit nothing.
     write_sbatch: Optional[str] = None
+    # Check and write the run directory, start nothing: for launchers of your own, e.g.
+    # `torchrun --nproc-per-node N -m pretrain.train RUN_DIR` (with local.nproc=N for the world size).
+    prepare_only: bool = False
     # Filled in by the launcher: where the run lives.
     run_dir: str = "???"
 
@@ -271,6 +273,8 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 def register() -> None:
     """Make the schema known to Hydra; conf/config.yaml lists `base_config` first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
 
@@ -298,3 +302,33 @@ def global_batch(train: TrainConfig, world_size: int) -> int:
 
 def grad_accum_steps(train: TrainConfig, world_size: int) -> int:
     return global_batch(train, world_size) // (world_size * train.micro_batch)
+
+
+def mesh_shape(strategy: str, world_size: int, shard_size: int) -> tuple[int, ...]:
+    """The device-mesh shape of a sharding strategy; shard_size only matters for hybrid_shard.
+    The last dimension is the one parameters are sharded over."""
+    if strategy in ("full_shard", "shard_grad_op"):
+        return (world_size,)
+    if strategy == "hybrid_shard":
+        return (world_size // shard_size, shard_size)
+    if strategy == "no_shard":
+        return (world_size, 1)
+    raise ValueError(f"unknown sharding strategy {strategy!r}")
+
+
+def shard_degree(fsdp: FSDPConfig, world_size: int, ranks_per_node: int) -> int:
+    """Ranks each parameter is split over."""
+    return mesh_shape(fsdp.strategy, world_size, fsdp.shard_size or ranks_per_node)[-1]
+
+
+def resolved_precision(name: str, cuda: bool, bf16_supported: bool = True) -> str:
+    """precision=auto as a run resolves it: bf16 on a GPU that has it, fp32 elsewhere."""
+    if name != "auto":
+        return name
+    return "bf16" if cuda and bf16_supported else "fp32"
+
+
+def uses_fused_adamw(optim: OptimConfig, cuda: bool) -> bool:
+    """Fused AdamW (no full-size temporaries) where optim.fused says so, or by default on GPUs: on CPUs
+    it is not there on every torch, nor for DTensor parameters, so foreach AdamW runs there."""
+    return cuda if optim.fused is None else optim.fused

@@ -17,14 +17,17 @@ ACCOUNTINGS = ("causal", "reference")
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12}
 
 
-def parameter_count(cfg: ModelConfig) -> int:
+def block_parameter_count(cfg: ModelConfig) -> int:
+    """One transformer block: attention (q, k, v, o), the SwiGLU feed-forward and two norms."""
     head_dim = cfg.dim // cfg.n_heads
     attention = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.kv_heads)
-    feed_forward = 3 * cfg.dim * cfg.ffn_hidden
-    norms = 2 * cfg.dim
+    return attention + 3 * cfg.dim * cfg.ffn_hidden + 2 * cfg.dim
+
+
+def parameter_count(cfg: ModelConfig) -> int:
     embedding = cfg.vocab_size * cfg.dim
     output = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    return embedding + cfg.n_layers * (attention + feed_forward + norms) + cfg.dim + output
+    return embedding + cfg.n_layers * block_parameter_count(cfg) + cfg.dim + output
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, accounting: str = "causal") -> float:

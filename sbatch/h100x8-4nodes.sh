@@ -23,6 +23,115 @@
 # pretrain: the run directory (set PRETRAIN_RUN_DIR when calling sbatch to choose it)
 export PRETRAIN_RUN_DIR="${PRETRAIN_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/sbatch-$SLURM_JOB_ID}"
 mkdir -p "$PRETRAIN_RUN_DIR"
+if [ ! -f "$PRETRAIN_RUN_DIR/config.yaml" ]; then
+  cat > "$PRETRAIN_RUN_DIR/config.yaml" <<'PRETRAIN_CONFIG_END'
+model:
+  name: llama-8b
+  dim: 4096
+  n_layers: 32
+  n_heads: 32
+  n_kv_heads: 8
+  ffn_hidden: 14336
+  vocab_size: 128256
+  max_seq_len: 8192
+  rope_theta: 500000.0
+  norm_eps: 1.0e-05
+  tie_embeddings: false
+  init_std: 0.02
+fsdp:
+  strategy: hybrid_shard
+  shard_size: null
+  activation_checkpointing: selective
+  compile: false
+precision:
+  name: auto
+  float8: none
+  init_scale: 65536.0
+  growth_interval: 1000
+data:
+  path: null
+  synthetic: false
+optim:
+  lr: 0.0003
+  min_lr_ratio: 0.1
+  warmup_steps: 20
+  weight_decay: 0.1
+  beta1: 0.9
+  beta2: 0.95
+  eps: 1.0e-08
+  grad_clip: 1.0
+  fused: null
+train:
+  steps: 100000
+  seq_len: 4096
+  global_batch: null
+  global_batch_tokens: 4194304
+  micro_batch: 1
+  seed: 1234
+  log_every: 10
+  eval_every: 1000
+  eval_batches: 4
+  ckpt_every: 1000
+  ckpt_keep: 3
+  stop_at_step: null
+  hang_timeout_s: 900.0
+  collective_timeout_s: 1800.0
+  async_checkpoint: false
+  max_bad_steps: 5
+  start_from_scratch: false
+metrics:
+  peak_flops: null
+logging:
+  wandb:
+    mode: disabled
+    project: pretrain
+    entity: null
+    group: null
+    name: null
+    tags: []
+local:
+  nproc: null
+cluster:
+  name: h100x8
+  partition: null
+  account: null
+  qos: null
+  nodes: 4
+  gpus_per_node: 8
+  cpus_per_task: 16
+  mem_gb: 1800
+  time_min: 2880
+  constraint: null
+  exclude: null
+  max_requeues: 10
+  signal_delay_s: 120
+  gpu_mem_gb: 79.6
+  gpu_fp8: true
+  env:
+    NCCL_DEBUG: WARN
+  setup: []
+  container:
+    image: /shared/containers/pretrain.sif
+    runtime: apptainer
+    binds: []
+    options: []
+plan:
+  force: false
+  mfu: 0.45
+preflight:
+  enabled: true
+  matmul_size: null
+  min_tflops: null
+  allreduce_mb: null
+  min_busbw_gbps: null
+  exclude_and_requeue: true
+dry_run: false
+write_sbatch: sbatch/h100x8-4nodes.sh
+prepare_only: false
+run_dir: $PRETRAIN_RUN_DIR
+PRETRAIN_CONFIG_END
+  echo "{\"created\": \"$(date +%Y-%m-%dT%H:%M:%S)\"}" > "$PRETRAIN_RUN_DIR/.pretrain-run"
+fi
 # Ranks and the rendezvous come from Slurm, not from the environment sbatch was called in.
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
 # An error noted by the last attempt is not this one's.
@@ -33,7 +142,7 @@ export NCCL_DEBUG=WARN
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output runs/slurm/%j_%t_log.out --error runs/slurm/%j_%t_log.err --kill-on-bad-exit=1 --cpus-per-task=16 apptainer exec --nv --env PYTHONNOUSERSITE=1 --bind "$PRETRAIN_RUN_DIR" /shared/containers/pretrain.sif python3 -m pretrain.train "$PRETRAIN_RUN_DIR" +cluster=h100x8 cluster.nodes=4 fsdp=hybrid_shard cluster.container.runtime=apptainer cluster.container.image=/shared/containers/pretrain.sif model=llama-8b train=pretrain train.micro_batch=1 fsdp.activation_checkpointing=selective
+srun --unbuffered --output runs/slurm/%j_%t_log.out --error runs/slurm/%j_%t_log.err --kill-on-bad-exit=1 --cpus-per-task=16 apptainer exec --nv --env PYTHONNOUSERSITE=1 --bind "$PRETRAIN_RUN_DIR" /shared/containers/pretrain.sif python3 -m pretrain.train "$PRETRAIN_RUN_DIR"
 
 
 # teardown
@@ -64,7 +173,10 @@ elif [ -f "$PRETRAIN_RUN_DIR/.requeue" ]; then
   pretrain_requeue "stopped with a checkpoint before the time limit"
 elif [ -s "$PRETRAIN_RUN_DIR/.failed" ]; then
   echo "pretrain: not requeued: the training stopped on an error a requeue would repeat: $(head -n 1 "$PRETRAIN_RUN_DIR/.failed")" >&2
-elif [ -z "${PRETRAIN_GOT_TERM:-}" ] && [ "$pretrain_srun_status" -gt 2 ]; then
-  pretrain_requeue "a task failed with exit code $pretrain_srun_status"
+elif [ -z "${PRETRAIN_GOT_TERM:-}" ]; then
+  case "$pretrain_srun_status" in
+    0|1|2) ;;
+    *) pretrain_requeue "a task failed with exit code $pretrain_srun_status" ;;
+  esac
 fi
 exit "$pretrain_srun_status"

@@ -19,3 +19,11 @@ def _no_jobs_left_behind(request):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and cluster.run("squeue", "-h", check=False).stdout.strip():
         time.sleep(0.5)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run in parallel (pytest -n 2 --dist loadgroup), every test of the Slurm cluster goes to one
+    worker: the cluster is started once per worker, on fixed ports. The other worker takes the rest."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))

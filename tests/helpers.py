@@ -77,7 +77,7 @@ def one_process_group(backend: str = "gloo"):
     """A world of one process (this one), for code that calls torch.distributed collectives."""
     import torch.distributed as dist
 
-    from pretrain.distributed import free_port
+    from pretrain.hosts import free_port
 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

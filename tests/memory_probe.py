@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain import distributed, launch, logs, train
+from pretrain.compose import compose
+from pretrain.launcher import preparation
+from pretrain.launcher.world import World
+from pretrain.trainer import distributed, logs, loop
 
 
 def status_kib(field: str) -> int:
@@ -35,19 +38,19 @@ def reset_peak() -> None:
 
 def main(argv: list[str]) -> int:
     out, run_dir, overrides = Path(argv[0]), Path(argv[1]), argv[2:]
-    cfg = launch.compose([f"hydra.run.dir={run_dir}", *overrides])
+    cfg = compose([f"hydra.run.dir={run_dir}", *overrides])
     env = distributed.detect()
     device = distributed.device_for(env)
-    launch.check_run(cfg, (env.world_size, env.local_world_size, device.type == "cuda"))
+    preparation.check_config(cfg, World(env.world_size, env.local_world_size, device.type == "cuda"))
     if env.is_main:
-        launch.write_run(cfg)
+        preparation.write_run(cfg)
     distributed.init_process_group(env, device)
     dist.barrier()
     logs.setup(run_dir, env.rank)
     reset_peak()
     baseline = status_kib("VmRSS")
     try:
-        trainer = train.Trainer(cfg, env, device)
+        trainer = loop.Trainer(cfg, env, device)
         for _ in range(cfg.train.steps):
             trainer.train_step()
     finally:

@@ -6,13 +6,12 @@ Adding a case is one line in CASES: the overrides and a fragment the message mus
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pytest
 
 from pretrain import launch
-from pretrain.parallelize import CPU_ALL_REDUCE
+from pretrain.parallel.compat import CPU_ALL_REDUCE
 from tests.helpers import MINI_MODEL, snapshot
 
 CASES = [
@@ -148,9 +147,15 @@ def refusal(capsys, argv: list[str]) -> str:
 
 
 def test_fp8_where_it_cannot_run_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torchao", None)  # as if torchao were not installed
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    from pretrain.launcher import local
+
+    hidden = tmp_path / "no-torchao" / "torchao"  # as if torchao were not installed, for the device probe
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('No module named torchao')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{hidden.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    local.probe.cache_clear()
     err = refusal(capsys, ["precision=fp8", f"hydra.run.dir={tmp_path / 'run'}"])
+    local.probe.cache_clear()
     assert "precision.float8=tensorwise needs torchao" in err
     assert not (tmp_path / "run").exists()
 
@@ -195,18 +200,18 @@ def test_cfg_job_prints_the_config(capsys):
     assert "steps: 7" in capsys.readouterr().out
 
 
-def test_rerun_names_what_changed_and_refuses_steps_below_the_checkpoint(tmp_path, capsys):
+def test_rerun_names_what_changed_and_refuses_steps_below_the_checkpoint(tmp_path, capfd):
     run_dir = tmp_path / "run"
     base = [*MINI_MODEL, "train.eval_every=0", f"hydra.run.dir={run_dir}"]
     assert launch.main([*base, "train.steps=4", "train.ckpt_every=4"]) == 0
-    capsys.readouterr()
-    err = refusal(capsys, [*base, "train.steps=2"])
+    capfd.readouterr()
+    err = refusal(capfd, [*base, "train.steps=2"])
     assert "has a checkpoint at step 4, past train.steps=2: set train.steps above 4" in err
     assert launch.main([*base, "train.steps=6", "train.ckpt_every=4", "optim.lr=0.001"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert f"{run_dir}: settings changed since its last launch (optim.lr: 0.0003 -> 0.001; train.steps: 4 -> 6)" in out
     assert "the earlier config is kept as config.1.yaml" in out and (run_dir / "config.1.yaml").is_file()
     # The same command again: already at its last step, it says so instead of a NaN loss.
     assert launch.main([*base, "train.steps=6", "train.ckpt_every=4", "optim.lr=0.001"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "nothing to train: the run is already at step 6 of train.steps=6" in out and "nan" not in out

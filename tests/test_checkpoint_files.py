@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from pretrain import checkpoint
-from pretrain.checkpoint import Checkpointer, crc32_of, problems, read_manifest
+from pretrain.trainer import checkpoint
+from pretrain.rundir import read_manifest
+from pretrain.trainer.checkpoint import Checkpointer, crc32_of, problems
 from pretrain.config import ModelConfig
 from tests import helpers
 
@@ -41,7 +42,8 @@ def test_shards_are_written_by_several_threads_and_digested_off_the_training_thr
 
     saver = Checkpointer(tmp_path, keep=2, async_save=async_save)
     path = saver.save(7, model, optimizer, {"step": 7}, ModelConfig(), "hash")
-    saver.wait()
+    published = saver.collect(torch.device("cpu"), wait=True)
+    assert published.path == path and published.step == 7 and published.asynchronous == async_save
 
     shards = sorted(p.name for p in path.glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]

@@ -10,12 +10,12 @@ import torch
 
 from pretrain.config import ModelConfig, OptimConfig, PrecisionConfig
 from pretrain.flops import flops_per_token, parameter_count, peak_flops_for
-from pretrain.launch import compose, expand_sweep, varying
-from pretrain.logs import MetricsFile
+from pretrain.compose import compose, expand_sweep, varying
+from pretrain.rundir import MetricsFile
 from pretrain.models.llama import Transformer, cross_entropy
-from pretrain.optim import lr_factor
-from pretrain.precision import LossScaler
-from pretrain.staging import HostStaging
+from pretrain.trainer.optim import lr_factor
+from pretrain.trainer.precision import LossScaler
+from pretrain.trainer.staging import HostStaging
 
 MODELS = ["tiny", "llama-125m", "llama-1b", "llama-8b", "llama-70b"]
 
@@ -184,7 +184,7 @@ def test_host_buffers_of_sharded_tensors_stay_on_the_host(device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from pretrain.staging import host_buffers
+    from pretrain.trainer.staging import host_buffers
     from tests.helpers import one_process_group
 
     with one_process_group("nccl" if device == "cuda" else "gloo"):

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from pretrain.data.builtin import builtin_corpus_text, ensure_builtin_dataset
 from pretrain.data.dataset import SyntheticDataset, TokenDataset
@@ -210,15 +209,15 @@ def counting_dataset(tmp_path: Path) -> TokenDataset:
 
 def test_get_batch_is_deterministic_and_shifted(counting_dataset: TokenDataset):
     inputs, targets = counting_dataset.get_batch([0, 5, 7, 250], seq_len=10, seed=3)
-    assert inputs.dtype == targets.dtype == torch.int64
+    assert inputs.dtype == targets.dtype == np.int64
     assert inputs.shape == targets.shape == (4, 10)
-    assert torch.equal(targets, inputs + 1)
-    assert torch.all(inputs[:, 0] % 10 == 0)  # windows start on multiples of seq_len
+    assert np.array_equal(targets, inputs + 1)
+    assert np.all(inputs[:, 0] % 10 == 0)  # windows start on multiples of seq_len
 
     again = TokenDataset(counting_dataset.path).get_batch([0, 5, 7, 250], seq_len=10, seed=3)
-    assert torch.equal(again[0], inputs) and torch.equal(again[1], targets)
+    assert np.array_equal(again[0], inputs) and np.array_equal(again[1], targets)
     single = counting_dataset.get_batch([7], seq_len=10, seed=3)
-    assert torch.equal(single[0][0], inputs[2])  # independent of the rest of the batch
+    assert np.array_equal(single[0][0], inputs[2])  # independent of the rest of the batch
 
 
 def test_each_epoch_visits_every_window_once(counting_dataset: TokenDataset):
@@ -235,7 +234,7 @@ def test_dataset_pickles_by_path(counting_dataset: TokenDataset):
     payload = pickle.dumps(counting_dataset)
     assert len(payload) < 1000  # not a copy of the tokens
     restored = pickle.loads(payload)
-    assert torch.equal(restored.get_batch([4], 10, 0)[0], counting_dataset.get_batch([4], 10, 0)[0])
+    assert np.array_equal(restored.get_batch([4], 10, 0)[0], counting_dataset.get_batch([4], 10, 0)[0])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -260,10 +259,10 @@ def test_rank_indices_rejects_indivisible_batch():
 def test_synthetic_dataset_is_deterministic():
     data = SyntheticDataset(vocab_size=50, seed=1)
     inputs, targets = data.get_batch([3, 9], seq_len=16, seed=0)
-    assert inputs.shape == targets.shape == (2, 16) and inputs.dtype == torch.int64
-    assert int(inputs.max()) < 50 and torch.equal(inputs[:, 1:], targets[:, :-1])
-    assert torch.equal(SyntheticDataset(50, seed=1).get_batch([3, 9], 16, 0)[0], inputs)
-    assert not torch.equal(SyntheticDataset(50, seed=2).get_batch([3, 9], 16, 0)[0], inputs)
+    assert inputs.shape == targets.shape == (2, 16) and inputs.dtype == np.int64
+    assert int(inputs.max()) < 50 and np.array_equal(inputs[:, 1:], targets[:, :-1])
+    assert np.array_equal(SyntheticDataset(50, seed=1).get_batch([3, 9], 16, 0)[0], inputs)
+    assert not np.array_equal(SyntheticDataset(50, seed=2).get_batch([3, 9], 16, 0)[0], inputs)
 
 
 # Dataset errors

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain import float8
+from pretrain.parallel import float8
 from tests.helpers import MINI_MODEL, launch, losses
 
 pytest.importorskip("torchao.float8")

@@ -6,11 +6,11 @@ Skipped without CUDA. Throughput is measured by bench/, never here.
 import pytest
 import torch
 
-from pretrain import float8
-from pretrain.deferred import DeferredValue
-from pretrain.loss import build_loss
+from pretrain.parallel import float8
+from pretrain.trainer.deferred import DeferredValue
+from pretrain.trainer.loss import build_loss
 from pretrain.models.llama import cross_entropy
-from pretrain.optim import skips_on_device, step_unless
+from pretrain.trainer.optim import skips_on_device, step_unless
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import flops, plan
+from pretrain import flops
+from pretrain.launcher import plan
 from pretrain.config import ConfigError
-from pretrain.distributed import free_port
-from pretrain.launch import compose
-from pretrain.local import rank_env
+from pretrain.hosts import free_port
+from pretrain.compose import compose
+from pretrain.launcher.local import rank_env
 from tests.helpers import REPO, launch, snapshot
 
 # About 52M parameters; the logits of a 32k vocabulary and the activations weigh as much as the weights.

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pretrain import faults, preflight
+from pretrain.trainer import preflight, resilience
 from tests.helpers import launch, losses, metrics
 from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
 from tests.test_slurm_submit import job_id_of, submit, write_cluster_conf
@@ -29,16 +29,16 @@ def test_the_check_product_is_exact_in_any_dtype(dtype):
 
 def test_node_faults_are_inert_unless_named(monkeypatch):
     monkeypatch.delenv("PRETRAIN_FAULTS", raising=False)
-    assert not faults.active_on("preflight_fail", "n2", 1)
+    assert not resilience.fault_active_on("preflight_fail", "n2", 1)
     monkeypatch.setenv("PRETRAIN_FAULTS", "nan_loss@3,preflight_fail@n2,preflight_fail@rank5")
-    assert faults.active_on("preflight_fail", "n2", 0) and faults.active_on("preflight_fail", "n1", 5)
-    assert not faults.active_on("preflight_fail", "n1", 0) and not faults.active_on("nan_loss", "n1", 3)
-    assert faults.active("nan_loss", 3)  # the step faults read the same variable
+    assert resilience.fault_active_on("preflight_fail", "n2", 0) and resilience.fault_active_on("preflight_fail", "n1", 5)
+    assert not resilience.fault_active_on("preflight_fail", "n1", 0) and not resilience.fault_active_on("nan_loss", "n1", 3)
+    assert resilience.fault_active("nan_loss", 3)  # the step faults read the same variable
 
 
 def test_the_batch_script_requeues_then_excludes():
     from pretrain.config import ClusterConfig
-    from pretrain.slurm import teardown_lines
+    from pretrain.launcher.slurm import teardown_lines
 
     script = "\n".join(teardown_lines(ClusterConfig(name="x", max_requeues=3)))
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
@@ -65,7 +65,7 @@ def test_two_ranks_pass_and_the_result_is_logged(tmp_path):
 
 
 def test_two_ranks_driving_one_gpu_fail_the_preflight():
-    from pretrain.preflight import DeviceResult, shared_devices
+    from pretrain.trainer.preflight import DeviceResult, shared_devices
 
     results = [DeviceResult(0, "n1", 1.0, 0, 1, "GPU-a"), DeviceResult(1, "n1", 1.0, 0, 1, "GPU-a"),
                DeviceResult(2, "n2", 1.0, 0, 1, "GPU-a"), DeviceResult(3, "n2", 1.0, 0, 1, "GPU-b")]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import report, runs
+from pretrain import rundir
+from pretrain.tracking import report
 from tests.helpers import REPO, launch, losses
 
 SHORT = ("train.steps=6", "train.log_every=2", "train.eval_every=0", "train.seq_len=64", "train.global_batch=8",
@@ -92,7 +93,7 @@ def test_report_of_a_folder_without_runs_says_so(tmp_path):
 
 
 def test_status_lists_local_runs_and_reads_a_half_written_metrics_line(sweep, tmp_path, capsys):
-    from pretrain import status
+    from pretrain.launcher import status
 
     assert status.main([str(sweep)]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
@@ -104,7 +105,7 @@ def test_status_lists_local_runs_and_reads_a_half_written_metrics_line(sweep, tm
     run_dir = tmp_path / "running"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text((next(sweep.iterdir()) / "config.yaml").read_text())
-    runs.mark(run_dir)
+    rundir.mark(run_dir)
     (run_dir / "metrics.jsonl").write_text('{"step": 2, "loss": 5.5}\n{"step": 4, "lo')
     assert status.main([str(tmp_path)]) == 0
     assert ["-", "LOCAL", "0", "2", "5.5000", str(run_dir.resolve())] in [

@@ -120,7 +120,7 @@ def wait_for_step(run_dir, step: int, timeout: float = 120) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path, nproc):
-    from pretrain.checkpoint import complete_checkpoints
+    from pretrain.rundir import complete_checkpoints
 
     run_dir = tmp_path / "run"
     args = (*RUN, "train.steps=500", f"local.nproc={nproc}", "train.global_batch=16", "train.micro_batch=8")
@@ -165,3 +165,17 @@ def test_two_process_resume_ends_cleanly_every_time(tmp_path):
             assert result.returncode == 0, (attempt, leg, result.stderr[-2000:], logs[-2000:])
             assert "terminate called" not in result.stderr + logs
         assert max(losses(run_dir)) == 20
+
+
+def test_compiled_blocks_train_like_eager_ones_and_share_their_checkpoints(tmp_path):
+    """fsdp.compile=true compiles each block in place as one graph (fullgraph), under selective activation
+    checkpointing: the same losses as eager, and checkpoints that load either way."""
+    run = (*RUN, "train.steps=4", "train.ckpt_every=2", "fsdp.activation_checkpointing=selective")
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert launch(*run, f"hydra.run.dir={eager}").returncode == 0
+    result = launch(*run, "fsdp.compile=true", "train.stop_at_step=2", f"hydra.run.dir={compiled}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = launch(*run, f"hydra.run.dir={compiled}")  # the compiled run's checkpoint, resumed eager
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    for step in (1, 2, 3, 4):
+        assert losses(compiled)[step] == pytest.approx(losses(eager)[step], rel=1e-4), step

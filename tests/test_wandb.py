@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pretrain import redaction, runs, sync, wandb_access
-from pretrain.distributed import free_port
-from pretrain.wandb_offline import fragments, is_closed, is_synced, mark_synced, run_id
+from pretrain import redaction, rundir
+from pretrain.tracking import sync, wandb_access
+from pretrain.hosts import free_port
+from pretrain.tracking.wandb_offline import fragments, is_closed, is_synced, mark_synced, run_id
 from tests.helpers import REPO, launch, losses, metrics
 from tests.wandb_records import wandb_config, wandb_history, wandb_run_record
 
@@ -137,7 +138,7 @@ def test_sweep_points_share_a_group_named_after_the_sweep(tmp_path):
     sweep = tmp_path / "lr-sweep"
     result = launch("-m", "optim.lr=1e-3,3e-3", OFFLINE, *SHORT, f"hydra.sweep.dir={sweep}")
     assert result.returncode == 0, result.stderr + result.stdout
-    records = [wandb_run_record(only_fragment(run_dir)) for run_dir in runs.run_dirs(sweep)]
+    records = [wandb_run_record(only_fragment(run_dir)) for run_dir in rundir.run_dirs(sweep)]
     assert [r.run_group for r in records] == ["lr-sweep", "lr-sweep"]
     assert [r.display_name for r in records] == ["optim.lr=0.001", "optim.lr=0.003"]
     assert len({r.run_id for r in records}) == 2
@@ -260,8 +261,11 @@ def test_sync_fails_in_one_line_when_the_server_is_unreachable(resumed_run):
 def test_sync_plan_keeps_attempt_order_and_follows_only_a_running_attempt(resumed_run, tmp_path):
     run_dir = shutil.copytree(resumed_run, tmp_path / "run", symlinks=True)
     first, second = fragments(run_dir)
-    second.write_bytes(second.read_bytes()[:-64])  # no exit record: its attempt is still writing
-    assert not is_closed(second)
+    state_file = run_dir / "wandb_run.json"  # its attempt has not ended: it is still writing
+    state = json.loads(state_file.read_text())
+    state["ended"].remove(second.parent.name)
+    state_file.write_text(json.dumps(state))
+    assert not is_closed(second) and is_closed(first)
     todo = sync.plan([run_dir], set())
     assert (todo.upload, todo.follow) == ([first], [])  # the running attempt waits for the earlier one
     mark_synced(first)
@@ -287,7 +291,7 @@ def test_watch_returns_once_every_run_is_finished_and_uploaded(resumed_run, tmp_
 
 def test_sync_of_runs_without_wandb_data_needs_no_server(tmp_path):
     (tmp_path / "config.yaml").write_text("train:\n  steps: 6\n")  # a run directory, W&B disabled
-    runs.mark(tmp_path)
+    rundir.mark(tmp_path)
     result = sync_cli(str(tmp_path), env={"WANDB_BASE_URL": closed_port_url()})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("nothing to upload: no offline W&B data here")

@@ -1,5 +1,6 @@
 """Read prepared token datasets and cut them into deterministic samples.
 
+No torch here (the launcher checks datasets on login nodes): batches are int64 numpy arrays.
 Sample ``i`` for a given ``seed`` depends only on ``(seed, i, data)``: the
 token stream is cut into windows of ``seq_len + 1`` tokens (neighbours share
 one token, so every token is a target once per epoch), and epoch ``e`` visits
@@ -12,7 +13,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from pretrain.data.errors import DataError
 from pretrain.data.layout import FORMAT_VERSION, META_FILE, SPLITS, bin_file
@@ -94,7 +94,7 @@ class TokenDataset:
         epoch, position = divmod(index, windows)
         return int(window_permutation(windows, seed, epoch)[position]) * seq_len
 
-    def get_batch(self, indices: Sequence[int], seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, indices: Sequence[int], seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Inputs and next-token targets, both int64 of shape ``[len(indices), seq_len]``."""
         offsets = [self.sample_offset(index, seq_len, seed) for index in indices]
         windows = np.stack([self.tokens[offset : offset + seq_len + 1] for offset in offsets])
@@ -157,7 +157,7 @@ class SyntheticDataset:
                 f"synthetic data vocab_size {self.vocab_size} exceeds model vocab_size {model_vocab_size}"
             )
 
-    def get_batch(self, indices: Sequence[int], seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, indices: Sequence[int], seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         windows = np.stack([self._sample(index, seq_len + 1, seed) for index in indices])
         return _split_inputs_targets(windows)
 
@@ -166,11 +166,10 @@ class SyntheticDataset:
         return bits % np.uint64(self.vocab_size)
 
 
-def _split_inputs_targets(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_inputs_targets(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and next-token targets as int64 arrays (the trainer wraps them in tensors without a copy)."""
     windows = windows.astype(np.int64)
-    inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
-    targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
-    return inputs, targets
+    return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
 
 
 def _meta_problem(meta: Any, split: str) -> str:

@@ -1,1 +1,1 @@
-"""Model definitions. Models know nothing of distribution: see pretrain.parallelize."""
+"""Model definitions. Models know nothing of distribution: see pretrain.parallel.parallelize."""

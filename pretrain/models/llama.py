@@ -1,7 +1,7 @@
 """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
 Plain PyTorch in the spirit of nanoGPT. Nothing here knows about processes, meshes or
-precision policies; `pretrain.parallelize` applies those to a built model.
+precision policies; `pretrain.parallel.parallelize` applies those to a built model.
 """
 
 from __future__ import annotations

@@ -16,29 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pretrain import float8
-from pretrain.config import FSDPConfig
+from pretrain.config import ConfigError, FSDPConfig, mesh_shape
+from pretrain.parallel import float8
+from pretrain.parallel.compat import reduce_gloo_gradients_by_sum
 
-try:  # torch >= 2.6 exports FSDP2 here; 2.4-2.5 kept it under _composable.
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-except ImportError:  # pragma: no cover - depends on the installed torch
-    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-# torch >= 2.8: FSDP2 can be told to reduce with SUM (see reduce_gloo_gradients_by_sum). Older FSDP2
-# cannot all-reduce across a 2-D mesh on CPUs at all (no AVG in gloo, no CPU event), so
-# hybrid_shard and no_shard need a GPU there.
-CPU_ALL_REDUCE = hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
-
-
-def mesh_shape(strategy: str, world_size: int, shard_size: int) -> tuple[int, ...]:
-    """The device-mesh shape for a strategy; shard_size only matters for hybrid_shard."""
-    if strategy in ("full_shard", "shard_grad_op"):
-        return (world_size,)
-    if strategy == "hybrid_shard":
-        return (world_size // shard_size, shard_size)
-    if strategy == "no_shard":
-        return (world_size, 1)
-    raise ValueError(f"unknown sharding strategy {strategy!r}")
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def build_mesh(cfg: FSDPConfig, device: torch.device, world_size: int, local_world_size: int) -> DeviceMesh:
@@ -57,8 +39,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
     if mode not in ("selective", "full"):
-        raise ValueError(f"activation checkpointing {mode!r} reached the model: the launcher resolves 'auto' "
-                         "into the run's config.yaml; start runs with python -m pretrain.launch")
+        raise ConfigError(f"fsdp.activation_checkpointing={mode!r} in the run's config.yaml: the launcher writes "
+                          "none, selective or full there (it resolves auto); prepare the run directory with "
+                          "python -m pretrain.launch")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     wrap = partial(checkpoint_wrapper, preserve_rng_state=False)
@@ -84,14 +67,12 @@ def _save_matmuls_policy():
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each block separately: FSDP2's hooks stay between blocks, and blocks share one graph."""
-    for index, block in enumerate(model.layers):
-        model.layers[index] = torch.compile(block)
-
-
-def shard_degree(mesh: DeviceMesh) -> int:
-    """Ranks a parameter is split over (the last mesh dimension is the sharding one)."""
-    return mesh.size(mesh.ndim - 1)
+    """Compile each block in place (`Module.compile`: names and state-dict keys stay as they are), as
+    one graph (fullgraph=True: a block that would break into pieces fails at its first step instead
+    of running slowly). Blocks separately: FSDP2's hooks stay between blocks, and blocks share one
+    compiled graph."""
+    for block in model.layers:
+        block.compile(fullgraph=True)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype) -> None:
@@ -104,7 +85,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     Unsharded (one rank per shard), resharding after forward would only free the compute-dtype
     copies to cast them again in backward: it is off there.
     """
-    reshard = strategy != "shard_grad_op" and shard_degree(mesh) > 1
+    reshard = strategy != "shard_grad_op" and mesh.size(mesh.ndim - 1) > 1  # the last dimension shards
     policy = mixed_precision(param_dtype)
     shard = partial(fully_shard, mesh=mesh, mp_policy=policy)
     if not model.cfg.tie_embeddings:
@@ -119,36 +100,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     shard(model, reshard_after_forward=False)
     if mesh.device_type == "cpu":
         reduce_gloo_gradients_by_sum(model)
-
-
-def reduce_gloo_gradients_by_sum(model: nn.Module) -> None:
-    """Make FSDP2 average gradients over gloo with SUM and a division, not ReduceOp.AVG.
-
-    FSDP2 reduces fp32/bf16 gradients with AVG, which gloo lacks for all-reduce before
-    torch 2.8 (HSDP and no_shard fail) and turns silently into a SUM for reduce-scatter
-    (pytorch/pytorch#162338: gradients come out world-size times too large). Newer torch has
-    a switch for exactly this; on torch 2.7 (1-D meshes only) the factors FSDP uses for fp16
-    gradients (SUM, divided by about sqrt(N) before and N/sqrt(N) after) are chosen on CPUs
-    whatever the gradients' dtype.
-    """
-    if CPU_ALL_REDUCE:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-        return
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-
-    original = collectives._get_gradient_divide_factors
-    if getattr(original, "sums_on_cpu", False):
-        return
-
-    def divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type=""):
-        if device_type == "cpu":
-            reduce_dtype = torch.float16  # only selects the factors; the reduction keeps its dtype
-        return original(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type)
-
-    divide_factors.sums_on_cpu = True
-    collectives._get_gradient_divide_factors = divide_factors
 
 
 def sync_gradients(model: nn.Module, mesh: DeviceMesh, last_micro_batch: bool) -> None:

@@ -1,19 +1,24 @@
-"""Submitting runs to Slurm with submitit, and the host-side part of each job.
+"""Submitting runs to Slurm with submitit, and all of the batch script: the host side of each job.
 
-One task per GPU; every task runs `pretrain.train.main([RUN_DIR])` (the same as
-`python -m pretrain.train RUN_DIR`) through submitit, inside the container when one is
-configured. A sweep becomes one job array. The launcher prints the job ids and returns: it
-never waits for a job.
+One task per GPU; every task runs `pretrain.train.main([RUN_DIR])` (what `python -m pretrain.train
+RUN_DIR` runs), inside the container when one is configured. A sweep becomes one job array. The
+launcher prints the job ids and returns: it never waits for a job. Submission goes through
+submitit (its executor, job arrays and job objects); the script is submitit's template with our
+setup and teardown lines, rendered by submitit_script for dry runs and `write_sbatch` as well, so
+that all three are one template.
 
 Requeue on preemption or time limit: Slurm signals the tasks (`--signal=USR2@signal_delay_s`,
 or SIGTERM); the ranks agree at a step boundary, save a checkpoint, rank 0 leaves a request
 file in the run directory, and the tasks exit. The batch script, which runs on the host and
 not in the container, then sees the request and runs `scontrol requeue` (containers rarely
-have scontrol). The requeued job resumes from the checkpoint by itself.
+have scontrol). The requeued job resumes from the checkpoint by itself. The rule for the other
+endings is generated from pretrain.rundir.ExitCode.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import re
 import shlex
@@ -23,37 +28,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain import preflight
+from pretrain import rundir
 from pretrain.config import ClusterConfig, Config, ConfigError
-from pretrain.preemption import EXIT_STOPPED, REQUEUE_REQUEST
-from pretrain.runs import FAILED_MARKER
-from pretrain.watchdog import EXIT_HUNG
-
-# sbatch's --signal names the signal submitit's job environment listens on; ours listens too.
-SUBMITIT_SIGNAL = "USR2"
+from pretrain.launcher import container, submitit_script
+from pretrain.rundir import EXCLUDE_NODES, FAILED_MARKER, REQUEUE_REQUEST, ExitCode
 
 
-class TrainTask:
-    """What each Slurm task runs; pickled by submitit, so it holds only the run directory."""
+class JobEntry:
+    """What each Slurm task runs; pickled by submitit, so it holds only the run directory.
+
+    The trainer is looked up by name when the task runs, so the launcher never imports it (nor torch).
+    """
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
 
     def __call__(self) -> int:
-        import torch.distributed as dist
-
-        from pretrain import train
-
-        try:
-            code = train.main([self.run_dir])
-        except dist.DistError as err:
-            # A peer died or a collective timed out: exit with the code the batch script requeues on.
-            print(f"pretrain: collective failed: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_HUNG) from None
-        if code not in (0, EXIT_STOPPED):
+        code = importlib.import_module("pretrain.train").main([self.run_dir])
+        if code not in (ExitCode.OK, ExitCode.STOPPED):
             # train.main printed the one-line reason; the task ends with its exit code, no traceback.
-            raise SystemExit(code)
-        return code
+            raise SystemExit(int(code))
+        return int(code)
 
 
 def job_name(name: str) -> str:
@@ -90,11 +85,12 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
 
 def teardown_lines(cluster: ClusterConfig) -> list[str]:
     """Lines the batch script runs on the host after srun: requeue if training asked for it, or if a
-    rank crashed, hung or lost a collective (exit codes above 2), or without the nodes that failed
-    the preflight check, if any did; never after an error a rerun would repeat (a bad config, a
-    diverged loss, an unwritable checkpoint): the rank that met it notes it in FAILED_MARKER, since
-    srun reports the ranks it then had to kill with their signal's exit codes."""
+    rank crashed, hung or lost a collective (any exit code but ExitCode.final()'s), or without the
+    nodes that failed the preflight check, if any did; never after an error a rerun would repeat (a
+    bad config, a diverged loss, an unwritable checkpoint): the rank that met it notes it in
+    FAILED_MARKER, since srun reports the ranks it then had to kill with their signal's exit codes."""
     limit = cluster.max_requeues
+    final = "|".join(str(int(code)) for code in ExitCode.final())
     return [
         "pretrain_srun_status=$?",
         "# pretrain: requeue from the host (the training may run in a container without scontrol)",
@@ -108,25 +104,52 @@ def teardown_lines(cluster: ClusterConfig) -> list[str]:
         "    return 1",
         "  fi",
         "}",
-        f'if [ -s "$PRETRAIN_RUN_DIR/{preflight.EXCLUDE_NODES}" ]; then',
-        *preflight.requeue_without_lines(),
+        f'if [ -s "$PRETRAIN_RUN_DIR/{EXCLUDE_NODES}" ]; then',
+        *requeue_without_lines(),
         f'elif [ -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}" ]; then',
         f'  rm -f "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
         '  pretrain_requeue "stopped with a checkpoint before the time limit"',
         f'elif [ -s "$PRETRAIN_RUN_DIR/{FAILED_MARKER}" ]; then',
         f'  echo "pretrain: not requeued: the training stopped on an error a requeue would repeat: '
         f'$(head -n 1 "$PRETRAIN_RUN_DIR/{FAILED_MARKER}")" >&2',
-        'elif [ -z "${PRETRAIN_GOT_TERM:-}" ] && [ "$pretrain_srun_status" -gt 2 ]; then',
-        '  pretrain_requeue "a task failed with exit code $pretrain_srun_status"',
+        'elif [ -z "${PRETRAIN_GOT_TERM:-}" ]; then',
+        '  case "$pretrain_srun_status" in',
+        f"    {final}) ;;",
+        '    *) pretrain_requeue "a task failed with exit code $pretrain_srun_status" ;;',
+        "  esac",
         "fi",
         'exit "$pretrain_srun_status"',
     ]
 
 
+def requeue_without_lines() -> list[str]:
+    """The batch script's branch (on the host, after srun) for a run directory with EXCLUDE_NODES (the
+    nodes that failed pretrain.trainer.preflight): requeue the job (teardown_lines' pretrain_requeue)
+    and add those nodes to its ExcNodeList.
+
+    Slurm refuses to change the exclusions of a running job, so the order is requeue, then update:
+    the requeued job is completing, and the batch script outlives the SIGTERM the requeue sends
+    (the setup lines trap it) for the cluster's KillWait, long enough for `scontrol update`.
+    """
+    path = f'"$PRETRAIN_RUN_DIR/{EXCLUDE_NODES}"'
+    return [
+        f"  PRETRAIN_BAD_NODES=$(sort -u {path} | paste -sd, -)",
+        f'  rm -f {path} "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
+        '  PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)',
+        '  case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; '
+        '*) PRETRAIN_EXCLUDED=$PRETRAIN_EXCLUDED,$PRETRAIN_BAD_NODES ;; esac',
+        '  if pretrain_requeue "preflight failed on $PRETRAIN_BAD_NODES, now excluded: '
+        'ExcNodeList=$PRETRAIN_EXCLUDED"; then',
+        "    for attempt in 1 2 3 4 5; do",
+        '      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$PRETRAIN_EXCLUDED" && break',
+        "      sleep 1",
+        "    done",
+        "  fi",
+    ]
+
+
 def python_command(cfg: Config, run_root: str, host_python: str) -> str:
     """The python the tasks run: host_python, or the image's python3 through apptainer/singularity."""
-    from pretrain import container
-
     if not cfg.cluster.uses_container:
         return host_python
     return container.exec_prefix(cfg, run_root) + " python3"
@@ -172,12 +195,10 @@ def make_executor(cfg: Config, root: Path, run_dirs: list[str]):
 
 
 def batch_script(cfg: Config, root: Path, run_dirs: list[str]) -> str:
-    """The sbatch script submitit writes for these runs (what `dry_run=true` prints)."""
+    """The sbatch script a submission of these runs submits (what `dry_run=true` prints)."""
     executor = make_executor(cfg, root, run_dirs)
-    if len(run_dirs) > 1:
-        executor.parameters["map_count"] = len(run_dirs)
-    command = " ".join([executor.python, "-u -m submitit.core._submit", shlex.quote(str(executor.folder))])
-    return executor._make_submission_file_text(command, "DRYRUN")
+    parameters = {**executor.parameters, **({"map_count": len(run_dirs)} if len(run_dirs) > 1 else {})}
+    return submitit_script.render(parameters, executor.folder, submitit_script.submitted_command(executor))
 
 
 # A hand-run script's run directory (override with PRETRAIN_RUN_DIR=... sbatch ...) and logs, relative to
@@ -188,21 +209,37 @@ PLAIN_RUN_DIR = [
     'mkdir -p "$PRETRAIN_RUN_DIR"',
 ]
 PLAIN_LOGS = "runs/slurm"
-# Hand-run scripts are generated from the launch's own overrides, less those that only steer the launch.
-LAUNCH_ONLY = ("write_sbatch=", "dry_run=", "hydra.run.dir=", "hydra.sweep.dir=")
+CONFIG_END = "PRETRAIN_CONFIG_END"
+
+
+def config_lines(cfg: Config) -> list[str]:
+    """Setup lines that give a new run directory the run's resolved config.yaml and its mark (a
+    requeued job finds them there): the job then starts as every job does, from its run directory."""
+    from pretrain.launcher.preparation import config_text
+
+    text = config_text(cfg).rstrip("\n")
+    if any(line == CONFIG_END for line in text.splitlines()):
+        raise ConfigError(f"a value of the config is the line {CONFIG_END}, which ends the script's config block")
+    return [
+        f'if [ ! -f "$PRETRAIN_RUN_DIR/{rundir.CONFIG_FILE}" ]; then',
+        f"  cat > \"$PRETRAIN_RUN_DIR/{rundir.CONFIG_FILE}\" <<'{CONFIG_END}'",
+        *text.splitlines(),
+        CONFIG_END,
+        f'  echo "{{\\"created\\": \\"$(date +%Y-%m-%dT%H:%M:%S)\\"}}" > "$PRETRAIN_RUN_DIR/{rundir.MARKER}"',
+        "fi",
+    ]
 
 
 def plain_batch_script(cfg: Config, overrides: list[str]) -> str:
     """A standalone sbatch script: the same #SBATCH lines, setup, srun, container and requeue as the
-    submitit path, but each task runs `python -m pretrain.train RUN_DIR OVERRIDES` (no submitit)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    kept = [o for o in overrides if not o.startswith(LAUNCH_ONLY)]
+    submitit path, with the run's resolved config inside; each task runs `python -m pretrain.train
+    RUN_DIR` (no submitit)."""
     python = python_command(cfg, '"$PRETRAIN_RUN_DIR"', shlex.quote(sys.executable))
-    command = " ".join([python, "-m pretrain.train", '"$PRETRAIN_RUN_DIR"', *(shlex.quote(o) for o in kept)])
+    command = " ".join([python, "-m pretrain.train", '"$PRETRAIN_RUN_DIR"'])
     placeholder = "/__pretrain_logs__"  # submitit makes log paths absolute; ours are relative to the submit dir
-    params = executor_parameters(cfg, job_name(cfg.model.name), PLAIN_RUN_DIR)
-    text = _make_sbatch_string(command=command, folder=placeholder, **params).replace(placeholder, PLAIN_LOGS)
+    cfg = dataclasses.replace(cfg, run_dir="$PRETRAIN_RUN_DIR")
+    params = executor_parameters(cfg, job_name(cfg.model.name), PLAIN_RUN_DIR + config_lines(cfg))
+    text = submitit_script.render(params, placeholder, command).replace(placeholder, PLAIN_LOGS)
     header = ["# Generated by: python -m pretrain.launch " + " ".join(shlex.quote(o) for o in overrides),
               "# Regenerate rather than edit. From the folder that should hold runs/:",
               "#   mkdir -p runs/slurm && sbatch THIS_FILE", ""]
@@ -226,8 +263,6 @@ def write_plain_script(cfg: Config, overrides: list[str]) -> int:
 def check_submittable(cfgs: list[Config], dry_run: bool) -> list[str]:
     """What a submission needs beyond the config: the image, the bind sources and a runtime (each
     refused when missing), and sbatch (refused, or in a dry run noted). Returns what was checked."""
-    from pretrain import container
-
     checked: list[str] = []
     for cfg in cfgs:
         if cfg.cluster.uses_container:
@@ -247,9 +282,9 @@ ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "REQUEUE_HOLD"
 
 def check_no_active_job(run_dir: Path) -> None:
     """Refuse a second job on a run directory whose last job is queued or running."""
-    from pretrain import status
+    from pretrain.launcher import status
 
-    path = run_dir / "jobs.json"
+    path = run_dir / rundir.JOBS_FILE
     if not path.is_file():
         return
     job_id = json.loads(path.read_text())[-1]["job_id"]
@@ -263,7 +298,7 @@ def record_job(run_dir: Path, job) -> dict[str, Any]:
     """Append a submitted job to RUN_DIR/jobs.json, which pretrain.status reads."""
     entry = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
              "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr)}
-    path = run_dir / "jobs.json"
+    path = run_dir / rundir.JOBS_FILE
     jobs = json.loads(path.read_text()) if path.is_file() else []
     path.write_text(json.dumps(jobs + [entry], indent=2))
     return entry
@@ -271,7 +306,7 @@ def record_job(run_dir: Path, job) -> dict[str, Any]:
 
 def submit(cfgs: list[Config], sweep_dir: Path | None) -> int:
     """Check, write the run directories, submit (one job, or one array for a sweep), print, return."""
-    from pretrain import launch
+    from pretrain.launcher.preparation import write_run
 
     run_dirs = [cfg.run_dir for cfg in cfgs]
     root = run_root(run_dirs, sweep_dir)
@@ -287,9 +322,9 @@ def submit(cfgs: list[Config], sweep_dir: Path | None) -> int:
         print("# dry run: nothing was written or submitted")
         return 0
     for cfg in cfgs:
-        launch.write_run(cfg)
+        write_run(cfg)
     executor = make_executor(first, root, run_dirs)
-    tasks = [TrainTask(d) for d in run_dirs]
+    tasks = [JobEntry(d) for d in run_dirs]
     if len(tasks) == 1:
         jobs = [executor.submit(tasks[0])]
     else:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from pretrain.config import OptimConfig
+from pretrain.config import OptimConfig, uses_fused_adamw
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -20,17 +20,11 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
-def fused_supported(device: torch.device) -> bool:
-    # Fused AdamW runs on CUDA everywhere we support; on CPU only from torch 2.4, and
-    # not with DTensor parameters on every version: stay with foreach there.
-    return device.type == "cuda"
-
-
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW; norms and biases (1-D parameters) get no weight decay."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    fused = fused_supported(device) if cfg.fused is None else cfg.fused
+    fused = uses_fused_adamw(cfg, device.type == "cuda")
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,

@@ -11,7 +11,7 @@ against preflight.min_busbw_gbps when set. Rank 0 logs the result and writes it 
 A failure ends the job on every rank with one line naming the node(s), rank(s) and why. Under
 Slurm with preflight.exclude_and_requeue, rank 0 also writes the failing nodes to
 RUN/.exclude_nodes; the batch script, on the host, then requeues the job with them excluded
-(`requeue_without_lines`). Only a device check names a node to exclude: a wrong or slow all-reduce cannot
+(pretrain.launcher.slurm). Only a device check names a node to exclude: a wrong or slow all-reduce cannot
 be pinned on one.
 """
 
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import checkpoint, faults, flops, logs
+from pretrain import flops, rundir
 from pretrain.config import Config, PreflightConfig
-from pretrain.preemption import REQUEUE_REQUEST
+from pretrain.rundir import EXCLUDE_NODES
+from pretrain.trainer import resilience
 
 log = logging.getLogger("pretrain")
 
-EXCLUDE_NODES = ".exclude_nodes"
 # The default rate floor: this fraction of the GPU's dense bf16 peak (healthy GPUs reach 60-85%).
 MIN_PEAK_FRACTION = 0.4
 # Rows of ones in B: partial sums stay at most 2 * (ONES_ROWS + 1) = 130, exact in bf16.
@@ -92,7 +92,7 @@ def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
     """The exact product, then MATMUL_ITERATIONS timed products."""
     a, b, expected = exact_product_operands(n, check_dtype(device), device, seed=1234 + rank)
     product = a @ b
-    if faults.active_on("preflight_fail", node_name(), rank):
+    if resilience.fault_active_on("preflight_fail", node_name(), rank):
         product[0, 0] += 1
     wrong = int((product != expected).sum())
     synchronize(device)
@@ -194,15 +194,15 @@ def run(cfg: Config, rank: int, world: int, device: torch.device) -> str | None:
                    "message": failure or passed_message(record), "time_s": time.perf_counter() - started,
                    "time": time.time()})
     if rank == 0:
-        logs.MetricsFile(Path(cfg.run_dir) / "metrics.jsonl").write(record)
+        rundir.MetricsFile(Path(cfg.run_dir) / rundir.METRICS_FILE).write(record)
     (log.error if failure else log.info)("%s (%.1f s)", record["message"], record["time_s"])
     return failure
 
 
 def start_step(run_dir: Path) -> int:
     """The step this job starts from (the newest complete checkpoint's), for the metrics record."""
-    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
-    return checkpoint.read_manifest(latest)["step"] if latest is not None else 0
+    latest = rundir.latest_checkpoint(run_dir / rundir.CHECKPOINTS)
+    return rundir.read_manifest(latest)["step"] if latest is not None else 0
 
 
 def check_devices(cfg: Config, rank: int, world: int, device: torch.device) -> tuple[dict, str | None]:
@@ -272,28 +272,3 @@ def gpu_list(ranks: list[dict]) -> str:
     if not gpus:
         return ""
     return "; GPUs: " + ", ".join(gpus[:8]) + (f" and {len(gpus) - 8} more" if len(gpus) > 8 else "")
-
-
-def requeue_without_lines() -> list[str]:
-    """The batch script's branch (on the host, after srun) for a run directory with EXCLUDE_NODES:
-    requeue the job (slurm.teardown_lines' pretrain_requeue) and add those nodes to its ExcNodeList.
-
-    Slurm refuses to change the exclusions of a running job, so the order is requeue, then update:
-    the requeued job is completing, and the batch script outlives the SIGTERM the requeue sends
-    (the setup lines trap it) for the cluster's KillWait, long enough for `scontrol update`.
-    """
-    path = f'"$PRETRAIN_RUN_DIR/{EXCLUDE_NODES}"'
-    return [
-        f"  PRETRAIN_BAD_NODES=$(sort -u {path} | paste -sd, -)",
-        f'  rm -f {path} "$PRETRAIN_RUN_DIR/{REQUEUE_REQUEST}"',
-        '  PRETRAIN_EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o "ExcNodeList=[^ ]*" | cut -d= -f2)',
-        '  case "$PRETRAIN_EXCLUDED" in ""|"(null)") PRETRAIN_EXCLUDED=$PRETRAIN_BAD_NODES ;; '
-        '*) PRETRAIN_EXCLUDED=$PRETRAIN_EXCLUDED,$PRETRAIN_BAD_NODES ;; esac',
-        '  if pretrain_requeue "preflight failed on $PRETRAIN_BAD_NODES, now excluded: '
-        'ExcNodeList=$PRETRAIN_EXCLUDED"; then',
-        "    for attempt in 1 2 3 4 5; do",
-        '      scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$PRETRAIN_EXCLUDED" && break',
-        "      sleep 1",
-        "    done",
-        "  fi",
-    ]

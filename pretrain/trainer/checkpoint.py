@@ -44,24 +44,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from pretrain import faults
 from pretrain.config import ModelConfig
-from pretrain.distributed import all_agree
-from pretrain.staging import HostStaging
+from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
+                             step_dir_name, step_of)
+from pretrain.trainer import resilience
+from pretrain.trainer.distributed import all_agree
+from pretrain.trainer.staging import HostStaging
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-PARTIAL = ".partial"
-DAMAGED = ".damaged"
-REMOVING = ".removing"
-# The model fields that decide the shapes of the saved tensors.
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and why."""
-
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (raised on every rank alike); the message says why."""
@@ -79,57 +69,6 @@ def _on_rank_0(action, what: str) -> None:
     dist.broadcast_object_list(failure, src=0)
     if failure[0]:
         raise CheckpointWriteError(failure[0])
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under root, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and "." not in p.name]
-    return sorted((p for p in found if (p / MANIFEST).is_file()), key=lambda p: p.name)
-
-
-def damaged_checkpoints(root: Path) -> list[Path]:
-    """Checkpoints set aside as damaged (`set_aside`), oldest first."""
-    return sorted(root.glob(f"step_*{DAMAGED}*")) if root.is_dir() else []
-
-
-def all_damaged_message(damaged: list[Path]) -> str:
-    """Why a run with checkpoints, every one of them damaged, does not start again from step 0."""
-    return (f"every checkpoint of this run is damaged (set aside as {', '.join(str(p) for p in damaged)}); "
-            "nothing was trained. To start this run directory again from step 0, rerun with "
-            "train.start_from_scratch=true (the damaged checkpoints stay where they are)")
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / MANIFEST).read_text())
-
-
-def model_shape(cfg: ModelConfig) -> dict[str, Any]:
-    shape = {name: getattr(cfg, name) for name in SHAPE_FIELDS}
-    shape["n_kv_heads"] = cfg.kv_heads
-    return shape
-
-
-def check_compatible(path: Path, cfg: ModelConfig) -> None:
-    """Raise CheckpointError naming the differing fields if `path` holds another model's weights."""
-    saved = read_manifest(path).get("model_shape", {})
-    wanted = model_shape(cfg)
-    differing = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in wanted.items() if saved.get(k) != v]
-    if differing:
-        raise CheckpointError(
-            f"checkpoint {path} was written for another model shape: {', '.join(differing)}; "
-            "use a new run directory or the model config it was trained with"
-        )
 
 
 def tidy(root: Path) -> None:
@@ -158,17 +97,12 @@ def remove(path: Path) -> None:
     doomed = path.with_name(path.name + REMOVING)
     shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier crash
     os.replace(path, doomed)
-    killed_midway = faults.active("kill_in_remove", step_of(path))
+    killed_midway = resilience.fault_active("kill_in_remove", step_of(path))
     for file in sorted(p for p in doomed.rglob("*") if p.is_file()):
         file.unlink()
         if killed_midway:
-            faults.kill_self()
+            resilience.kill_self()
     shutil.rmtree(doomed, ignore_errors=True)
-
-
-def step_of(path: Path) -> int:
-    """The step a checkpoint folder holds, from its name (step_00000100, step_00000100.partial, ...)."""
-    return int(path.name.split(".")[0].removeprefix("step_"))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -257,6 +191,26 @@ def set_aside(path: Path) -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class Published:
+    """A checkpoint now on disk: its folder and step, seconds from its start to publication, and how
+    long training was held by it (stage_s: in `save`; wait_s: waiting for an asynchronous save's writes)."""
+
+    path: Path
+    step: int
+    total_s: float
+    stage_s: float
+    wait_s: float
+    asynchronous: bool
+
+    def record(self) -> dict[str, Any]:
+        """Its line in metrics.jsonl."""
+        record = {"step": self.step, "ckpt_save_s": self.total_s}
+        if self.asynchronous:
+            record.update(ckpt_stage_s=self.stage_s, ckpt_wait_s=self.wait_s)
+        return record
+
+
 @dataclass
 class PendingSave:
     """An asynchronous save whose shards are still being written."""
@@ -276,6 +230,7 @@ class Checkpointer:
         self.async_save = async_save
         self.pending: PendingSave | None = None
         self.phases: dict[str, float] = {}  # seconds of the last save's parts, for the log
+        self._published: Published | None = None  # the newest save published and not yet collected
         if async_save:
             self._group = _cpu_group()
             self._staging = HostStaging(device or torch.device("cpu"))
@@ -297,9 +252,10 @@ class Checkpointer:
         """Write a checkpoint of everything needed to continue exactly; returns its folder.
 
         Asynchronous: returns once the copy to host memory is under way; the folder appears when
-        `poll` or `wait` finds every rank done. A save still pending is published first.
+        `collect` finds every rank done. A save still pending is published first. Either way
+        `collect` then gives what was published. Raises CheckpointWriteError on every rank alike.
         """
-        self.wait()
+        self._wait()
         started = time.perf_counter()
         final = self.root / step_dir_name(step)
         partial = final.with_name(final.name + PARTIAL)
@@ -333,6 +289,8 @@ class Checkpointer:
         except Exception as error:  # DCP raises the same CheckpointException on every rank
             raise CheckpointWriteError(f"writing the shards into {partial} failed: {_first_line(error)}") from error
         self._finish(partial, final, manifest, files)
+        seconds = time.perf_counter() - started
+        self._published = Published(final, step, seconds, seconds, 0.0, asynchronous=False)
         return final
 
     def _write(self, host_state: dict[str, Any], partial: Path) -> dict[str, dict[str, int]]:
@@ -345,23 +303,20 @@ class Checkpointer:
         if self.pending is not None:
             self._staging.hold_updates()
 
-    def poll(self, device: torch.device) -> dict[str, Any] | None:
-        """Publish a pending save if every rank has written its shards (a collective: call on all ranks)."""
-        if self.pending is None:
-            return None
-        if all_agree(not self.pending.upload.done(), device):
-            return None
-        return self.wait()
+    def collect(self, device: torch.device, wait: bool) -> Published | None:
+        """The save published since the last call, if any; a pending asynchronous save is published
+        first when every rank has written its shards, or (wait) once they have. A collective: call
+        on all ranks."""
+        if self.pending is not None and (wait or not all_agree(not self.pending.upload.done(), device)):
+            self._wait()
+        published, self._published = self._published, None
+        return published
 
-    def wait(self) -> dict[str, Any] | None:
-        """Finish and publish a pending save, or None if none was pending.
-
-        Returns its folder, step, seconds from start to publication (total_s), and the seconds
-        the caller was blocked: staging (stage_s) and waiting here for the writes (wait_s).
-        """
+    def _wait(self) -> None:
+        """Finish and publish a pending asynchronous save, if there is one."""
         pending, self.pending = self.pending, None
         if pending is None:
-            return None
+            return
         waited = time.perf_counter()
         try:
             files = pending.upload.result()
@@ -369,14 +324,15 @@ class Checkpointer:
             raise CheckpointWriteError(f"writing the shards into {pending.partial} failed: {_first_line(error)}") \
                 from error
         self._finish(pending.partial, pending.final, pending.manifest, files)
-        return {"path": pending.final, "step": pending.manifest["step"], "total_s": time.perf_counter() - pending.started,
-                "stage_s": pending.stage_s, "wait_s": time.perf_counter() - waited}
+        now = time.perf_counter()
+        self._published = Published(pending.final, pending.manifest["step"], now - pending.started, pending.stage_s,
+                                     now - waited, asynchronous=True)
 
     def _finish(self, partial: Path, final: Path, manifest: dict[str, Any], files: dict[str, dict[str, int]]) -> None:
         """Once every rank has written (and digested) its files: write the manifest, publish by renaming."""
         rank = dist.get_rank()
-        if faults.active("kill_in_save", manifest["step"]):
-            faults.kill_self()
+        if resilience.fault_active("kill_in_save", manifest["step"]):
+            resilience.kill_self()
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, files)
         manifest["files"] = {name: info for part in gathered for name, info in part.items()}

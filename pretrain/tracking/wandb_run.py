@@ -1,6 +1,7 @@
 """The W&B run of a training run: made by rank 0 only, continued across requeues, offline where it must be.
 
-RUN/wandb_run.json keeps the W&B run id and the last step sent to W&B. A requeued or resumed
+RUN/wandb_run.json keeps the W&B run id, the last step sent to W&B, and the offline attempts
+(RUN/wandb/offline-run-*) that ended cleanly, which pretrain.sync uploads. A requeued or resumed
 job opens the same W&B run again (resume="allow") and sends only the steps after that one:
 steps that a lost attempt logged after its last checkpoint are already in W&B, and the resumed
 job computes them again, so sending them again would log them twice. (metrics.jsonl holds the
@@ -22,8 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pretrain import redaction, wandb_access
-from pretrain.config import Config, WandbConfig
+from pretrain import redaction
+from pretrain.tracking import wandb_access
+from pretrain.config import Config
 
 log = logging.getLogger("pretrain")
 
@@ -33,14 +35,6 @@ INIT_TIMEOUT_S = 60
 NOT_LOGGED = ("step", "time")
 SLURM_VARIABLES = {"slurm_job_id": "SLURM_JOB_ID", "slurm_nodelist": "SLURM_JOB_NODELIST",
                    "slurm_restart_count": "SLURM_RESTART_COUNT"}
-
-
-def label_sweep_point(settings: WandbConfig, sweep_name: str, varying: list[str]) -> None:
-    """Group a sweep's runs under the sweep's name and name each after the values it varies, unless set."""
-    if settings.group is None:
-        settings.group = sweep_name
-    if settings.name is None and varying:
-        settings.name = ",".join(varying)
 
 
 def job_info(restarts: int, environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -73,6 +67,7 @@ class WandbRun:
         self.run: Any = None
         self.sent_before = 0  # steps up to this one were sent to W&B by earlier attempts
         self.last_sent = 0
+        self.ended: list[str] = []  # offline attempts (their folders under RUN/wandb) that ended cleanly
 
     def start(self, restarts: int) -> None:
         """Open (or reopen) the W&B run; call once the job knows its restart count, i.e. after resuming."""
@@ -81,8 +76,9 @@ class WandbRun:
         mode, why_offline = wandb_access.choose_mode(self.settings.mode)
         if why_offline:
             log.warning("W&B: %s; logging offline", why_offline)
-        state = self._load_state()
+        state = read_state(self.run_dir)
         self.sent_before = self.last_sent = state["last_step"]
+        self.ended = state["ended"]
         self._save_state(state["id"])
         self.run = self._init(mode, state["id"])
         if self.run is None and mode == "online":
@@ -137,9 +133,13 @@ class WandbRun:
             return
         run, self.run = self.run, None
         try:
+            attempt = Path(run.dir).parent.name
             run.finish(exit_code=exit_code)
         except Exception as err:  # see _init
             log.warning("W&B: could not finish the run cleanly (%s)", _one_line(err))
+            return
+        self.ended.append(attempt)
+        self._save_state(run.id)
 
     def __enter__(self) -> WandbRun:
         return self
@@ -147,16 +147,19 @@ class WandbRun:
     def __exit__(self, exc_type, exc, traceback) -> None:
         self.finish(exit_code=0 if exc_type is None else 1)
 
-    def _load_state(self) -> dict[str, Any]:
-        if self.state_path.is_file():
-            state = json.loads(self.state_path.read_text())
-            return {"id": state["id"], "last_step": int(state.get("last_step", 0))}
-        return {"id": new_run_id(), "last_step": 0}
-
     def _save_state(self, run_id: str) -> None:
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps({"id": run_id, "last_step": self.last_sent}) + "\n")
+        tmp.write_text(json.dumps({"id": run_id, "last_step": self.last_sent, "ended": self.ended}) + "\n")
         os.replace(tmp, self.state_path)
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    """RUN/wandb_run.json: the W&B run id, the last step sent, the attempts that ended; a new id if none."""
+    path = Path(run_dir) / STATE_FILE
+    if path.is_file():
+        state = json.loads(path.read_text())
+        return {"id": state["id"], "last_step": int(state.get("last_step", 0)), "ended": list(state.get("ended", []))}
+    return {"id": new_run_id(), "last_step": 0, "ended": []}
 
 
 def _teardown(wandb: Any) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pretrain.config import Config
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from pretrain.compose import CONF_DIR
 
 # The keys set most often, and what they do; their defaults come from the schema.
 MAIN_KEYS = {

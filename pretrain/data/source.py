@@ -1,7 +1,7 @@
 """A run's data: where it lives, checking it, and opening its splits.
 
-`data.path=null` means the built-in corpus, prepared into RUN_DIR/data/builtin by the launcher
-(it takes a second), so a run directory holds everything its run used.
+`data.path=null` means the built-in corpus, prepared into RUN_DIR/data/builtin by the job's rank 0
+when it is not there yet (it takes a second), so a run directory holds everything its run used.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from pretrain import config, redaction
 from pretrain.config import ClusterConfig, Config, ConfigError
+from pretrain.launcher.world import World
 
 
 def _positive(values: dict[str, float | int | None]) -> None:
@@ -102,30 +103,21 @@ def validate_train(cfg: Config, world_size: int) -> None:
                           f"train.micro_batch={t.micro_batch} = {per_step}; e.g. train.global_batch={fits}")
 
 
-def validate_parallel(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
+def validate_parallel(cfg: Config, world: World) -> None:
     f = cfg.fsdp
     _one_of("fsdp.strategy", f.strategy, config.STRATEGIES)
     _one_of("fsdp.activation_checkpointing", f.activation_checkpointing, config.CHECKPOINTING)
     _positive({"fsdp.shard_size": f.shard_size})
     if f.strategy == "hybrid_shard":
-        shard = f.shard_size or local_world_size
-        if world_size % shard:
-            raise ConfigError(f"fsdp.shard_size={shard} does not divide the world size {world_size}")
-        if world_size // shard < 2:
-            raise ConfigError(f"fsdp.strategy=hybrid_shard with shard groups of {shard} on {world_size} ranks leaves "
+        shard = f.shard_size or world.per_node
+        if world.size % shard:
+            raise ConfigError(f"fsdp.shard_size={shard} does not divide the world size {world.size}")
+        if world.size // shard < 2:
+            raise ConfigError(f"fsdp.strategy=hybrid_shard with shard groups of {shard} on {world.size} ranks leaves "
                               "a replicate degree of 1; use full_shard, more nodes, or a smaller fsdp.shard_size")
-    if f.strategy in ("hybrid_shard", "no_shard") and world_size > 1 and not has_cuda:
-        _check_cpu_all_reduce(f.strategy)
-
-
-def _check_cpu_all_reduce(strategy: str) -> None:
-    import torch
-
-    from pretrain import parallelize
-
-    if not parallelize.CPU_ALL_REDUCE:
-        raise ConfigError(f"fsdp.strategy={strategy} on CPUs needs torch 2.8 or newer: the FSDP2 of torch "
-                          f"{torch.__version__} cannot all-reduce gradients over gloo; use fsdp=full_shard or "
+    if f.strategy in ("hybrid_shard", "no_shard") and world.size > 1 and not world.cuda and not world.cpu_all_reduce:
+        raise ConfigError(f"fsdp.strategy={f.strategy} on CPUs needs torch 2.8 or newer: the FSDP2 of the torch "
+                          "installed here cannot all-reduce gradients over gloo; use fsdp=full_shard or "
                           "shard_grad_op here (on GPUs every strategy works)")
 
 
@@ -192,16 +184,16 @@ def validate_no_secrets(cfg: Config) -> None:
                           "(e.g. export WANDB_API_KEY=...), where jobs get them from")
 
 
-def validate(cfg: Config, world_size: int, local_world_size: int, has_cuda: bool) -> None:
-    """Raise ConfigError for the first setting that cannot work on `world_size` ranks."""
+def validate(cfg: Config, world: World) -> None:
+    """Raise ConfigError for the first setting that cannot work on the world's ranks."""
     validate_values(cfg)
     _positive({"local.nproc": cfg.local.nproc})
     if cfg.cluster is not None:
         validate_cluster(cfg.cluster)
     validate_model(cfg)
-    validate_train(cfg, world_size)
-    validate_parallel(cfg, world_size, local_world_size, has_cuda)
-    validate_precision(cfg, has_cuda)
+    validate_train(cfg, world.size)
+    validate_parallel(cfg, world)
+    validate_precision(cfg, world.cuda)
     validate_plan_and_preflight(cfg)
     validate_logging(cfg)
     validate_no_secrets(cfg)

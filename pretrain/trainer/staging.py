@@ -16,20 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.tensor import DTensor
+
+from pretrain.parallel.compat import copy_state_dict, host_dtensor
 
 
 def host_buffers(state: Any, pin: bool) -> Any:
     """Empty host tensors shaped like every tensor of `state` (DTensors keep their sharding)."""
     if isinstance(state, DTensor):
-        # from_local moves a host tensor to the mesh's device: build the DTensor around a meta
-        # tensor, then give it the host one (as torch's own _create_cpu_state_dict does).
-        local = state.to_local()
-        hosted = DTensor.from_local(torch.empty_like(local, device="meta"), state.device_mesh, state.placements,
-                                    run_check=False, shape=state.shape, stride=state.stride())
-        hosted._local_tensor = host_buffers(local, pin)
-        return hosted
+        return host_dtensor(state, host_buffers(state.to_local(), pin))
     if isinstance(state, torch.Tensor):
         return torch.empty(state.shape, dtype=state.dtype, pin_memory=pin)
     if isinstance(state, dict):
@@ -74,10 +69,10 @@ class HostStaging:
         if self._buffers is None or layout(state) != self._layout:
             self.allocate(state)
         if not self.cuda:
-            return _copy_state_dict(state, self._buffers)
+            return copy_state_dict(state, self._buffers)
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            host = _copy_state_dict(state, self._buffers, non_blocking=True)
+            host = copy_state_dict(state, self._buffers, non_blocking=True)
             self._copied = self._stream.record_event()
         return host
 

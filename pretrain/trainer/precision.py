@@ -6,21 +6,17 @@ compute dtype changes (FSDP2's MixedPrecisionPolicy casts parameters at all-gath
 
 from __future__ import annotations
 
-
 import torch
 
-from pretrain.config import PrecisionConfig
+from pretrain.config import PrecisionConfig, resolved_precision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def resolve(name: str, device: torch.device) -> str:
-    """`auto` becomes bf16 on a GPU that supports it and fp32 elsewhere."""
-    if name != "auto":
-        return name
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "fp32"
+    """`auto` becomes bf16 on a GPU that supports it and fp32 elsewhere (config.resolved_precision)."""
+    cuda = device.type == "cuda"
+    return resolved_precision(name, cuda, cuda and torch.cuda.is_bf16_supported())
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pretrain.hosts import expand_nodelist, free_port
 
 
 @dataclass(frozen=True)
@@ -30,28 +30,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm node list, e.g. 'gpu[012-015,20],cpu1' -> 'gpu012'."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-        return out.stdout.split()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        pass  # scontrol may be missing inside a container: parse the list ourselves.
-    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not match:
-        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
 
 
 def slurm_port(job_id: str) -> int:
@@ -78,7 +56,7 @@ def detect() -> DistEnv:
             world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             local_world_size=int(env["SLURM_NTASKS"]) // max(nodes, 1),
-            master_addr=env.get("MASTER_ADDR") or first_slurm_host(env["SLURM_JOB_NODELIST"]),
+            master_addr=env.get("MASTER_ADDR") or expand_nodelist(env["SLURM_JOB_NODELIST"])[0],
             master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
         )
     return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())

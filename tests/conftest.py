@@ -1,10 +1,14 @@
 import os
+import sys
 import time
 
 import pytest
 
 # Keep every test off the network and away from a user's W&B account.
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Commands the tests run by name (`python`, and `python3` inside the stand-in container) are those of the
+# environment running the tests, as in a user's activated environment, also when CI calls .venv/bin/python.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
 
 
 @pytest.fixture(autouse=True)

@@ -80,7 +80,9 @@ def substituted(command: str, root: Path, cwd: Path) -> str:
     command = command.replace("/data/", f"{root}/data/").replace("/path/to/", f"{root}/path/to/")
     command = command.replace("/scratch/", f"{root}/scratch/")
     if "RUN_OR_SWEEP_DIR" in command:
-        newest = max((cwd / "runs").glob("*/*/config.yaml"), key=lambda p: p.stat().st_mtime).parent
+        runs = list((cwd / "runs").glob("*/*/config.yaml"))
+        assert runs, f"no run directory under {cwd / 'runs'} for: {command}"
+        newest = max(runs, key=lambda p: p.stat().st_mtime).parent
         command = command.replace("RUN_OR_SWEEP_DIR", shlex.quote(str(newest)))
     return command
 

@@ -215,3 +215,28 @@ def test_rerun_names_what_changed_and_refuses_steps_below_the_checkpoint(tmp_pat
     assert launch.main([*base, "train.steps=6", "train.ckpt_every=4", "optim.lr=0.001"]) == 0
     out = capfd.readouterr().out
     assert "nothing to train: the run is already at step 6 of train.steps=6" in out and "nan" not in out
+
+
+def test_a_run_directory_another_training_holds_is_refused(tmp_path, capsys):
+    """Two launches on one run directory never both train: the second is refused while another process
+    holds the run's lock (as a training does), and trains once that process has ended."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    base = [*MINI_MODEL, "train.steps=2", "train.eval_every=0", f"hydra.run.dir={run_dir}"]
+    assert launch.main([*base, "prepare_only=true"]) == 0
+    capsys.readouterr()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pretrain import rundir; "
+                               "rundir.RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)",
+                               str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(run_dir)
+        err = refusal(capsys, base)
+        assert f"another training is running in {run_dir} (pid {holder.pid} on" in err
+        assert snapshot(run_dir) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert launch.main(base) == 0

@@ -70,6 +70,13 @@ def test_without_matplotlib_the_table_still_prints(sweep, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{chart}.json" for chart in CHARTS)
 
 
+def test_plots_that_cannot_be_written_are_one_line(sweep):
+    result = report_cli(str(sweep), "--out", "/proc/pretrain-report")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: cannot write the plots to /proc/pretrain-report: "), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
 def test_summary_of_a_resumed_run():
     records = [
         {"step": 2, "loss": 4.0, "tokens_per_s": 100.0, "mfu": 0.30, "restarts": 0},

@@ -191,6 +191,10 @@ class ClusterConfig:
     # Whether the GPUs have FP8 matrix units (H100, H200: true; A100: false), for precision=fp8;
     # null: not known before the job starts, which then checks the GPU itself.
     gpu_fp8: Optional[bool] = None
+    # srun's --gpu-bind: null keeps the cluster's default (Slurm gives each task the job's GPUs of its
+    # node and each rank takes the one of its local rank); per_task:1 makes each task see one GPU;
+    # none lets every task see the node's GPUs (the job's own are then found from SLURM_JOB_GPUS).
+    gpu_bind: Optional[str] = None
     env: dict[str, str] = field(default_factory=dict)
     setup: list[str] = field(default_factory=list)
     # Present in every cluster file unless set to null (image null, or container null: on the host),

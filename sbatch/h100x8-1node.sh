@@ -107,6 +107,7 @@ cluster:
   signal_delay_s: 120
   gpu_mem_gb: 79.6
   gpu_fp8: true
+  gpu_bind: null
   env:
     NCCL_DEBUG: WARN
   setup: []

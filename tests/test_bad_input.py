@@ -63,6 +63,7 @@ CASES = [
     (["+cluster=a100x8", "model.name='tiny\ntouch /tmp/x'"], "model.name='tiny\\ntouch /tmp/x': holds the control"),
     (["+cluster=a100x8", "+cluster.env.FOO='a\rb'"], "cluster.env.FOO='a\\rb': holds the control character"),
     (["+cluster=a100x8", "+cluster.setup=['module load x\ntouch /tmp/x']"], "cluster.setup[0]="),
+    (["+cluster=a100x8", "cluster.gpu_bind='per task'"], "cluster.gpu_bind='per task': srun's --gpu-bind takes"),
 ]
 if not CPU_ALL_REDUCE:  # torch 2.7: FSDP2 cannot all-reduce gradients over gloo
     CASES += [(["fsdp=no_shard", "local.nproc=2"], "fsdp.strategy=no_shard on CPUs needs torch 2.8 or newer"),

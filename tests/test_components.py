@@ -194,3 +194,16 @@ def test_host_buffers_of_sharded_tensors_stay_on_the_host(device):
         assert isinstance(hosted, DTensor) and hosted.placements == sharded.placements
         assert hosted.to_local().device.type == "cpu" and hosted.to_local().is_pinned() == (device == "cuda")
         assert hosted.shape == sharded.shape
+
+
+@pytest.mark.parametrize("local_rank,count,environ,expected", [
+    (1, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}, 1),            # Slurm's default: the job's GPUs of the node
+    (1, 1, {"CUDA_VISIBLE_DEVICES": "1"}, 0),              # --gpu-bind=per_task:1: one GPU each
+    (1, 8, {"SLURM_JOB_GPUS": "4,5,6,7"}, 5),              # --gpu-bind=none on a shared node: the job's own
+    (3, 4, {"SLURM_JOB_GPUS": "0,1,2,3"}, 3),              # --gpu-bind=none, every GPU of the node is the job's
+    (1, 2, {}, 1),                                         # torchrun, or no Slurm
+])
+def test_each_rank_drives_its_own_gpu_whatever_the_binding(local_rank, count, environ, expected):
+    from pretrain.trainer.distributed import gpu_index
+
+    assert gpu_index(local_rank, count, environ) == expected

@@ -54,13 +54,13 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
     raise TimeoutError(f"{run_dir} did not reach step {step}")
 
 
-def status_row(cluster: SlurmCluster, run_dir: Path) -> list[str]:
+def status_row(cluster: SlurmCluster, run_dir: Path, env: dict | None = None) -> list[str]:
     """`python -m pretrain.status RUN`'s row: job, state, restarts, step, loss, run."""
     import subprocess
     import sys
 
     result = subprocess.run([sys.executable, "-m", "pretrain.status", str(run_dir)], capture_output=True, text=True,
-                            env={**os.environ, **cluster.env}, timeout=60)
+                            env={**os.environ, **cluster.env, **(env or {})}, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()[1].split()
 
@@ -140,21 +140,27 @@ def test_shipped_clusters_submit_and_complete_with_their_defaults(slurm_cluster,
     assert (tmp_path / "container.jsonl").is_file()  # h100x8's tasks ran in the (stand-in) container
 
 
-def test_each_task_runs_on_the_cpus_it_asked_for(slurm_cluster, tmp_path):
+def test_each_task_runs_on_the_cpus_and_gpus_it_was_given(slurm_cluster, tmp_path):
     """srun gets --cpus-per-task (it no longer inherits it from sbatch since Slurm 22.05): each rank's CPU
-    affinity, as the preflight records it, is cluster.cpus_per_task (the test cluster binds tasks to CPUs)."""
+    affinity, as the preflight records it, is cluster.cpus_per_task (the test cluster binds tasks to CPUs).
+    cluster.gpu_bind reaches srun: by default each task sees the job's GPUs of its node, with per_task:1
+    one each, with none (srun then unsets CUDA_VISIBLE_DEVICES) every GPU of the node."""
     jobs = []
-    for gpus, cpus in ((1, 2), (2, 1)):
-        run_dir = tmp_path / f"{gpus}x{cpus}"
-        conf = write_cluster_conf(tmp_path / f"conf-{run_dir.name}", nodes=1, gpus_per_node=gpus, cpus_per_task=cpus)
+    for gpus, cpus, bind, visible in ((1, 2, None, ["0"]), (2, 1, "per_task:1", ["0", "1"]),
+                                      (2, 1, "none", ["all", "all"])):
+        run_dir = tmp_path / f"{gpus}x{cpus}-{bind}"
+        conf = write_cluster_conf(tmp_path / f"conf-{run_dir.name}", nodes=1, gpus_per_node=gpus, cpus_per_task=cpus,
+                                  gpu_bind=bind)
         result = submit(slurm_cluster, conf, "train.steps=2", *TRAIN, *MINI_MODEL, f"hydra.run.dir={run_dir}")
         assert result.returncode == 0, result.stderr + result.stdout
-        jobs.append((job_id_of(run_dir), run_dir, gpus, cpus))
-    for job, run_dir, gpus, cpus in jobs:
+        jobs.append((job_id_of(run_dir), run_dir, gpus, cpus, bind, visible))
+    for job, run_dir, gpus, cpus, bind, visible in jobs:
         assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED", slurm_cluster.describe_job(job)
-        assert f"--cpus-per-task={cpus}" in (run_dir / "slurm" / f"{job}_submission.sh").read_text()
+        script = (run_dir / "slurm" / f"{job}_submission.sh").read_text()
+        assert f"--cpus-per-task={cpus}" in script and (f"--gpu-bind={bind}" in script) == (bind is not None)
         record = next(r for r in metrics(run_dir) if r.get("preflight") == "passed")
         assert [r["cpus"] for r in record["ranks"]] == [cpus] * gpus, record["ranks"]
+        assert [r["visible"] for r in record["ranks"]] == visible, record["ranks"]
 
 
 def test_dry_run_shows_the_script_and_submits_nothing(tmp_path):
@@ -240,6 +246,10 @@ def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, cluster_conf, tm
     wait_for_step(run_dir, 12)
     slurm_cluster.run("scancel", "--signal=USR2", job)
     assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
+    # Status says the same with accounting (sacct) and, on a cluster without it, from scontrol.
+    assert status_row(slurm_cluster, run_dir)[:4] == [job, "COMPLETED", "1", "30"]
+    without_sacct = {"PATH": hidden_slurm_path(tmp_path, hide=("sacct",))}
+    assert status_row(slurm_cluster, run_dir, env=without_sacct)[:4] == [job, "COMPLETED", "1", "30"]
     out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert "the job will be requeued" in out
     batch_out = "".join(p.read_text() for p in (run_dir / "slurm").glob(f"{job}_0_log.out"))
@@ -255,19 +265,23 @@ def test_scontrol_requeue_resumes(slurm_cluster, cluster_conf, tmp_path, uninter
     assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
 
 
-def hidden_slurm_path(tmp_path: Path) -> str:
-    """PATH as a container without Slurm's client commands sees it: every PATH folder mirrored minus those."""
+SLURM_CLIENTS = ("scontrol", "sbatch", "srun", "scancel", "squeue", "sacct", "salloc")
+
+
+def hidden_slurm_path(tmp_path: Path, hide: tuple[str, ...] = SLURM_CLIENTS) -> str:
+    """PATH with the commands `hide` (by default Slurm's clients, as in a container) gone: every PATH
+    folder that holds one of them is mirrored without them."""
     folders = []
     for index, folder in enumerate(os.environ["PATH"].split(os.pathsep)):
         if not os.path.isdir(folder):
             continue
-        if not any(os.path.exists(os.path.join(folder, c)) for c in ("scontrol", "sbatch", "srun")):
+        if not any(os.path.exists(os.path.join(folder, c)) for c in hide):
             folders.append(folder)
             continue
-        mirror = tmp_path / f"path{index}"
+        mirror = tmp_path / f"path-without-{hide[0]}-{index}"
         mirror.mkdir()
         for name in os.listdir(folder):
-            if not name.startswith(("scontrol", "sbatch", "srun", "scancel", "squeue", "sacct", "salloc")):
+            if not name.startswith(hide):
                 (mirror / name).symlink_to(os.path.join(folder, name))
         folders.append(str(mirror))
     return os.pathsep.join(folders)

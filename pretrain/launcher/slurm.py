@@ -170,7 +170,8 @@ def executor_parameters(cfg: Config, name: str, run_dir_definition: list[str]) -
         "teardown": teardown_lines(cluster),
         "additional_parameters": {"requeue": True},
         # srun no longer inherits --cpus-per-task from sbatch (Slurm 22.05+): without it each task gets one CPU.
-        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}"],
+        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}",
+                      *([f"--gpu-bind={cluster.gpu_bind}"] if cluster.gpu_bind else [])],
     }
     optional = {"partition": cluster.partition, "account": cluster.account, "qos": cluster.qos,
                 "constraint": cluster.constraint, "exclude": cluster.exclude,

@@ -2,7 +2,7 @@
 
 Finds run directories (those with a config.yaml) under each ROOT (default: ./runs). For a
 submitted run (a jobs.json, written at submission) it asks Slurm for the newest job's state
-(sacct, or squeue when accounting is off); a run trained here shows LOCAL, or FINISHED once it has
+(sacct, or scontrol when accounting is off); a run trained here shows LOCAL, or FINISHED once it has
 reached its last step. The last step and loss come from metrics.jsonl.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,16 +37,21 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def job_state(job_id: str) -> tuple[str, int]:
-    """The job's current state and how many times Slurm restarted it (requeues)."""
+    """The job's current state and how many times Slurm restarted it (requeues).
+
+    sacct where the cluster keeps accounting; otherwise scontrol, which knows the jobs that are
+    queued, running, or ended within the last MinJobAge seconds (300 by default), restarts included.
+    """
     out = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "--duplicates", "-o", "JobID,State"])
     if out:
         rows = [line.split("|") for line in out.splitlines() if line.strip()]
         mine = [state for jid, state in rows if jid == job_id]
         if mine:
             return mine[-1].split()[0], sum(1 for state in mine if state.startswith("REQUEUED"))
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
-    if out and out.strip():
-        return out.split()[0], 0
+    out = _run(["scontrol", "show", "job", "-o", job_id])
+    state, restarts = re.search(r"\bJobState=(\S+)", out or ""), re.search(r"\bRestarts=(\d+)", out or "")
+    if state:
+        return state.group(1), int(restarts.group(1)) if restarts else 0
     return "UNKNOWN", 0
 
 

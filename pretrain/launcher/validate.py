@@ -155,6 +155,10 @@ def validate_cluster(cluster: ClusterConfig) -> None:
     if cluster.time_min * 60 <= cluster.signal_delay_s:
         raise ConfigError(f"cluster.time_min={cluster.time_min} is not longer than cluster.signal_delay_s="
                           f"{cluster.signal_delay_s} s: the stop signal would come before training starts")
+    if cluster.gpu_bind is not None and not re.fullmatch(r"[A-Za-z_]+(:[0-9A-Za-z,x]+)?(,[A-Za-z_]+(:[0-9A-Za-z,x]+)?)*",
+                                                        cluster.gpu_bind):
+        raise ConfigError(f"cluster.gpu_bind={cluster.gpu_bind!r}: srun's --gpu-bind takes e.g. none, per_task:1, "
+                          "closest or map_gpu:0,1 (null: the cluster's default)")
     for key in cluster.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise ConfigError(f"cluster.env key {key!r} is not a valid environment variable name")

@@ -62,10 +62,25 @@ def detect() -> DistEnv:
     return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())
 
 
+def gpu_index(local_rank: int, device_count: int, environ: dict[str, str] | os._Environ) -> int:
+    """The GPU a rank drives, among the `device_count` it sees.
+
+    Slurm gives a task either its job's GPUs of the node (the default: CUDA_VISIBLE_DEVICES lists
+    them) or one GPU (--gpu-bind=per_task:1): then local rank modulo what is visible. With
+    --gpu-bind=none srun unsets CUDA_VISIBLE_DEVICES, and on a node shared with other jobs and
+    without device cgroups the task sees every GPU of the node: it must take its job's own, which
+    SLURM_JOB_GPUS names, not GPU local_rank, which may belong to another job.
+    """
+    job_gpus = [int(g) for g in environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip().isdigit()]
+    if "CUDA_VISIBLE_DEVICES" not in environ and job_gpus and device_count > len(job_gpus) \
+            and max(job_gpus) < device_count:
+        return job_gpus[local_rank % len(job_gpus)]
+    return local_rank % device_count
+
+
 def device_for(env: DistEnv) -> torch.device:
     if torch.cuda.is_available():
-        # Slurm may expose all of a node's GPUs to every task, or one each.
-        index = env.local_rank % torch.cuda.device_count()
+        index = gpu_index(env.local_rank, torch.cuda.device_count(), os.environ)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")

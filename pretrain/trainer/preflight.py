@@ -53,6 +53,8 @@ class DeviceResult:
     device: str = "cpu"
     # CPUs this rank may run on (its affinity): what srun gave the task.
     cpus: int = 0
+    # The GPUs the task was given to see (CUDA_VISIBLE_DEVICES; "all" when unset).
+    visible: str = "all"
     problem: str = ""
 
 
@@ -103,7 +105,7 @@ def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
     seconds = time.perf_counter() - started
     tflops = 2 * n**3 * MATMUL_ITERATIONS / seconds / 1e12
     return DeviceResult(rank, node_name(), tflops, wrong, n * n, device_identity(device),
-                        len(os.sched_getaffinity(0)))
+                        len(os.sched_getaffinity(0)), os.environ.get("CUDA_VISIBLE_DEVICES", "all"))
 
 
 def device_identity(device: torch.device) -> str:

@@ -37,10 +37,22 @@
 # tail of its log is printed, the daemons started so far are stopped and the
 # exit status is 1. All waits are bounded (LOCALCLUSTER_TIMEOUT seconds each).
 #
-# Ports (environment, defaults in brackets); n2's slurmd uses SLURMD_PORT+1:
+# Ports (environment, defaults in brackets); node i's slurmd uses SLURMD_PORT+i-1:
 #   LOCALCLUSTER_CTLD_PORT [16817]  LOCALCLUSTER_DBD_PORT [16819]
 #   LOCALCLUSTER_SLURMD_PORT [17001]
 # Other knobs: LOCALCLUSTER_TIMEOUT [60] (seconds per wait).
+#
+# The shape of the cluster (the defaults are the test suite's; a machine with
+# real GPUs, such as the benchmark GPU machine, sets them as it has them):
+#   LOCALCLUSTER_NODES [2]        slurmd nodes n1..nN on this host
+#   LOCALCLUSTER_CPUS [2]         CPUs of each node
+#   LOCALCLUSTER_MEM_MB [4000]    RealMemory of each node
+#   LOCALCLUSTER_GPUS [fake]      fake: 2 stand-in GPUs a node (character devices
+#                                 under DIR/dev); real: this host's /dev/nvidiaN
+#                                 files, shared out among the nodes in order
+#   LOCALCLUSTER_ACCOUNTING [slurmdbd]  slurmdbd: slurmdbd + MariaDB, so sacct
+#                                 works; none: no accounting (sacct fails, squeue
+#                                 and scontrol answer), for hosts without MariaDB
 #
 # Needs root (SlurmUser=root, mknod, and `127.0.0.1 n1 n2` is added to
 # /etc/hosts because jobs resolve node names, e.g. for MASTER_ADDR) and the
@@ -53,15 +65,25 @@ set -euo pipefail
 export PATH=$PATH:/usr/sbin:/sbin
 
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
-BINARIES=(munged munge unmunge mariadbd mariadb mariadb-install-db slurmdbd slurmctld slurmd
-          sinfo sbatch srun squeue scontrol sacct sacctmgr scancel)
-NODES=(n1 n2)
+BINARIES=(munged munge unmunge slurmctld slurmd sinfo sbatch srun squeue scontrol sacct scancel)
+ACCOUNTING_BINARIES=(mariadbd mariadb mariadb-install-db slurmdbd sacctmgr)
 CLUSTER_NAME=localcluster
 
 CTLD_PORT=${LOCALCLUSTER_CTLD_PORT:-16817}
 DBD_PORT=${LOCALCLUSTER_DBD_PORT:-16819}
 SLURMD_PORT=${LOCALCLUSTER_SLURMD_PORT:-17001}
 TIMEOUT=${LOCALCLUSTER_TIMEOUT:-60}
+NODE_COUNT=${LOCALCLUSTER_NODES:-2}
+NODE_CPUS=${LOCALCLUSTER_CPUS:-2}
+NODE_MEM_MB=${LOCALCLUSTER_MEM_MB:-4000}
+GPUS=${LOCALCLUSTER_GPUS:-fake}
+ACCOUNTING=${LOCALCLUSTER_ACCOUNTING:-slurmdbd}
+[[ $NODE_COUNT =~ ^[1-9][0-9]*$ ]] || { echo "localcluster: error: LOCALCLUSTER_NODES=$NODE_COUNT: a count of nodes" >&2; exit 2; }
+[[ $GPUS == fake || $GPUS == real ]] || { echo "localcluster: error: LOCALCLUSTER_GPUS=$GPUS: fake or real" >&2; exit 2; }
+[[ $ACCOUNTING == slurmdbd || $ACCOUNTING == none ]] ||
+    { echo "localcluster: error: LOCALCLUSTER_ACCOUNTING=$ACCOUNTING: slurmdbd or none" >&2; exit 2; }
+NODES=()
+for ((i = 1; i <= NODE_COUNT; i++)); do NODES+=("n$i"); done
 
 log() { printf 'localcluster: %s\n' "$*" >&2; }
 die() { printf 'localcluster: error: %s\n' "$*" >&2; exit 1; }
@@ -76,14 +98,22 @@ usage() {
 
 missing_binaries() {
     local b out=()
-    for b in "${BINARIES[@]}"; do
+    local wanted=("${BINARIES[@]}")
+    [[ $ACCOUNTING == none ]] || wanted+=("${ACCOUNTING_BINARIES[@]}")
+    for b in "${wanted[@]}"; do
         command -v "$b" >/dev/null 2>&1 || out+=("$b")
     done
     echo "${out[*]}"
 }
 
 # Which daemons exist, in start order (stop goes the other way).
-daemon_names() { echo munged mariadbd slurmdbd slurmctld "${NODES[@]/#/slurmd-}"; }
+daemon_names() {
+    if [[ $ACCOUNTING == none ]]; then
+        echo munged slurmctld "${NODES[@]/#/slurmd-}"
+    else
+        echo munged mariadbd slurmdbd slurmctld "${NODES[@]/#/slurmd-}"
+    fi
+}
 
 pid_of() { # name -> pid from DIR/run/NAME.pid, or nothing
     local f=$RUN/$1.pid
@@ -199,16 +229,35 @@ cmd_install() {
 # ---------------------------------------------------------------------------
 # configuration
 
-write_configs() {
-    local host gres_files i
-    host=$(hostname -s)
-
-    # Fake GPUs: gres needs File= to point at something; character devices
-    # (same numbers as /dev/null) keep slurmd quiet, regular files merely warn.
-    for i in 0 1; do
-        mknod "$DIR/dev/gpu$i" c 1 3 2>/dev/null || : >"$DIR/dev/gpu$i"
+# The GPU device files of each node, one line per node in node order.
+gpu_files_per_node() {
+    local i n per files=()
+    if [[ $GPUS == fake ]]; then
+        # gres needs File= to point at something; character devices (same
+        # numbers as /dev/null) keep slurmd quiet, regular files merely warn.
+        for ((n = 0; n < NODE_COUNT; n++)); do
+            for i in 0 1; do
+                mknod "$DIR/dev/gpu$n$i" c 1 3 2>/dev/null || : >"$DIR/dev/gpu$n$i"
+            done
+            echo "$DIR/dev/gpu${n}0,$DIR/dev/gpu${n}1"
+        done
+        return
+    fi
+    mapfile -t files < <(find /dev -maxdepth 1 -regex '/dev/nvidia[0-9]+' | sort -V)
+    ((${#files[@]})) || die "LOCALCLUSTER_GPUS=real: no /dev/nvidiaN files on this host"
+    ((${#files[@]} % NODE_COUNT == 0)) || die "${#files[@]} GPUs do not divide among $NODE_COUNT nodes"
+    per=$((${#files[@]} / NODE_COUNT))
+    for ((n = 0; n < NODE_COUNT; n++)); do
+        local IFS=,
+        echo "${files[*]:$((n * per)):$per}"
     done
-    gres_files="$DIR/dev/gpu[0-1]"
+}
+
+write_configs() {
+    local host i files gpus
+    host=$(hostname -s)
+    mapfile -t files < <(gpu_files_per_node)
+    gpus=$(awk -F, '{print NF; exit}' <<<"${files[0]}")
 
     cat >"$DIR/etc/slurm.conf" <<EOF
 # Generated by localcluster.sh; throw-away test cluster on localhost.
@@ -253,29 +302,26 @@ MinJobAge=300
 SlurmdTimeout=30
 GresTypes=gpu
 
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
-AccountingStoragePort=$DBD_PORT
-# With auth/munge this is the munge socket used to talk to slurmdbd (AuthInfo's
-# socket= is not used for that); without it the default /run/munge is tried.
-AccountingStoragePass=$DIR/munge/munge.socket
-AccountingStorageTRES=gres/gpu
+$(accounting_lines)
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 
-NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 1)) CPUs=2 RealMemory=4000 Gres=gpu:2 State=UNKNOWN
-PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+NodeName=n[1-$NODE_COUNT] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + NODE_COUNT - 1)) CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:$gpus State=UNKNOWN
+PartitionName=debug Nodes=n[1-$NODE_COUNT] Default=YES MaxTime=INFINITE State=UP
 EOF
 
-    cat >"$DIR/etc/gres.conf" <<EOF
-AutoDetect=off
-NodeName=n[1-2] Name=gpu File=$gres_files
-EOF
+    {
+        echo "AutoDetect=off"
+        for ((i = 0; i < NODE_COUNT; i++)); do
+            echo "NodeName=${NODES[i]} Name=gpu File=${files[i]}"
+        done
+    } >"$DIR/etc/gres.conf"
 
     cat >"$DIR/etc/cgroup.conf" <<EOF
 CgroupPlugin=autodetect
 EOF
 
+    [[ $ACCOUNTING == none ]] && return 0
     DB_PASS=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')
     cat >"$DIR/etc/slurmdbd.conf" <<EOF
 AuthType=auth/munge
@@ -294,6 +340,22 @@ StoragePass=$DB_PASS
 StorageLoc=slurm_acct_db
 EOF
     chmod 600 "$DIR/etc/slurmdbd.conf"
+}
+
+accounting_lines() {
+    if [[ $ACCOUNTING == none ]]; then
+        echo "AccountingStorageType=accounting_storage/none"
+        return
+    fi
+    cat <<EOF
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=$DBD_PORT
+# With auth/munge this is the munge socket used to talk to slurmdbd (AuthInfo's
+# socket= is not used for that); without it the default /run/munge is tried.
+AccountingStoragePass=$DIR/munge/munge.socket
+AccountingStorageTRES=gres/gpu
+EOF
 }
 
 ensure_hosts_entry() {
@@ -360,7 +422,10 @@ cmd_start() {
         done
     fi
 
-    for p in "$CTLD_PORT" "$DBD_PORT" "$SLURMD_PORT" "$((SLURMD_PORT + 1))"; do
+    local ports=("$CTLD_PORT")
+    [[ $ACCOUNTING == none ]] || ports+=("$DBD_PORT")
+    for ((p = 0; p < NODE_COUNT; p++)); do ports+=("$((SLURMD_PORT + p))"); done
+    for p in "${ports[@]}"; do
         ! port_in_use "$p" || die "port $p on 127.0.0.1 is in use (another cluster?); pick others with LOCALCLUSTER_CTLD_PORT / LOCALCLUSTER_DBD_PORT / LOCALCLUSTER_SLURMD_PORT"
     done
 
@@ -378,7 +443,28 @@ cmd_start() {
     spawn munged "$RUN" munged -F -f --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
         --pid-file="$DIR/run/munged.daemon.pid" --seed-file="$DIR/munge/munged.seed"
     wait_for munged "munge credentials to round-trip" munge_works
+    [[ $ACCOUNTING == none ]] || start_accounting
 
+    spawn slurmctld "$RUN" env SLURM_CONF="$CONF" slurmctld -D -i -f "$CONF"
+    wait_for slurmctld "slurmctld to answer 'scontrol ping'" slurmctld_up
+
+    for name in "${NODES[@]}"; do
+        spawn "slurmd-$name" "$DIR/spool/$name" env SLURM_CONF="$CONF" slurmd -D -N "$name" -f "$CONF"
+    done
+    wait_for "${NODES[*]/#/slurmd-} slurmctld" "nodes ${NODES[*]} to be idle in sinfo" nodes_idle
+    if [[ $ACCOUNTING != none ]]; then
+        wait_for slurmctld "the cluster to be registered in accounting (sacctmgr/sacct)" accounting_works
+    fi
+    for name in $(daemon_names); do
+        alive "$name" || start_failed "$name" "$name exited during start-up"
+    done
+
+    log "cluster up in $(elapsed)s: $(slurm sinfo -h -o '%P %D %T %N' | tr '\n' ' ')"
+    echo "export SLURM_CONF=$CONF"
+}
+
+# MariaDB and slurmdbd, so that sacct works.
+start_accounting() {
     # MariaDB: own datadir and socket, no TCP, run as root so DIR may be private.
     mariadb-install-db --no-defaults --user=root --datadir="$DIR/mysql/data" \
         --auth-root-authentication-method=socket --skip-test-db >"$LOGDIR/mariadb-install-db.log" 2>&1 ||
@@ -400,21 +486,6 @@ EOF
     # slurmdbd finds our MariaDB through MYSQL_UNIX_PORT (StorageHost=localhost).
     spawn slurmdbd "$RUN" env SLURM_CONF="$CONF" MYSQL_UNIX_PORT="$DIR/mysql/mysqld.sock" slurmdbd -D
     wait_for slurmdbd "slurmdbd to listen on port $DBD_PORT" port_in_use "$DBD_PORT"
-
-    spawn slurmctld "$RUN" env SLURM_CONF="$CONF" slurmctld -D -i -f "$CONF"
-    wait_for slurmctld "slurmctld to answer 'scontrol ping'" slurmctld_up
-
-    for name in "${NODES[@]}"; do
-        spawn "slurmd-$name" "$DIR/spool/$name" env SLURM_CONF="$CONF" slurmd -D -N "$name" -f "$CONF"
-    done
-    wait_for "${NODES[*]/#/slurmd-} slurmctld" "nodes ${NODES[*]} to be idle in sinfo" nodes_idle
-    wait_for slurmctld "the cluster to be registered in accounting (sacctmgr/sacct)" accounting_works
-    for name in $(daemon_names); do
-        alive "$name" || start_failed "$name" "$name exited during start-up"
-    done
-
-    log "cluster up in $(elapsed)s: $(slurm sinfo -h -o '%P %D %T %N' | tr '\n' ' ')"
-    echo "export SLURM_CONF=$CONF"
 }
 
 nodes_idle_or_busy() { # used for the "already running" check: nodes answer

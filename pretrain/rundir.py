@@ -11,6 +11,7 @@
       checkpoints/step_N/    complete checkpoints (a MANIFEST each); step_N.partial/ being written,
                              step_N.removing/ being deleted, step_N.damaged/ set aside
       jobs.json, slurm/      the Slurm jobs of the run and their logs
+      cache/compile/         torch.compile's caches (Inductor, Triton): a requeued job reuses them
       .requeue               a rank stopped on a time-limit signal: the batch script requeues
       .exclude_nodes         nodes that failed the preflight: requeued without them
       .failed                an error a requeue would repeat: the batch script does not requeue
@@ -46,6 +47,7 @@ FAILED_MARKER = ".failed"
 LOCK_HELD_ENV = "PRETRAIN_RUN_LOCK_HELD"
 
 CHECKPOINTS = "checkpoints"
+COMPILE_CACHE = "cache/compile"
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 DAMAGED = ".damaged"

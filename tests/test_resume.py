@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import MINI_MODEL, assert_same_losses, last_step_record, launch, losses
+from tests.helpers import MINI_MODEL, assert_same_losses, last_step_record, launch, losses, metrics
 
 RUN = ("train.steps=20", "train.log_every=1", "train.ckpt_every=5", "train.eval_every=0", "precision=fp32", *MINI_MODEL)
 
@@ -179,3 +179,10 @@ def test_compiled_blocks_train_like_eager_ones_and_share_their_checkpoints(tmp_p
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     for step in (1, 2, 3, 4):
         assert losses(compiled)[step] == pytest.approx(losses(eager)[step], rel=1e-4), step
+    # Each job records its start-up by phase; the compiled one kept its compile caches in the run directory.
+    startups = [r for r in metrics(compiled) if "startup_s" in r]
+    assert [r["step"] for r in startups] == [1, 3], startups
+    assert "first step (compilation)" in startups[0]["startup"] and "checkpoint" in startups[1]["startup"]
+    assert sum(startups[0]["startup"].values()) == pytest.approx(startups[0]["startup_s"], abs=0.1)
+    assert any((compiled / "cache" / "compile").rglob("*.py")), "Inductor wrote nothing to the run's cache"
+    assert "s from process start to the first step: process start and imports" in resumed.stdout

@@ -10,7 +10,9 @@ Sharding strategies map onto FSDP2 (`fully_shard`) as follows:
 
 from __future__ import annotations
 
+import os
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -73,6 +75,16 @@ def apply_compile(model: nn.Module) -> None:
     compiled graph."""
     for block in model.layers:
         block.compile(fullgraph=True)
+
+
+def persist_compile_cache(folder: Path) -> Path:
+    """Keep torch.compile's caches (Inductor's graphs and kernels, Triton's binaries) in `folder`, the
+    run directory's, unless TORCHINDUCTOR_CACHE_DIR says where: by default they live in /tmp, which a
+    requeued job on another node does not have, so every restart compiled everything again. Every rank
+    may share the folder (Inductor writes its entries atomically)."""
+    chosen = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder)))
+    chosen.mkdir(parents=True, exist_ok=True)
+    return chosen
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype) -> None:

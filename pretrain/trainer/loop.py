@@ -33,10 +33,11 @@ from pretrain.data import source
 from pretrain.data.errors import DataError
 from pretrain.models.llama import Transformer
 from pretrain.parallel import float8
-from pretrain.parallel.parallelize import build_mesh, parallelize, sync_gradients
+from pretrain.parallel.parallelize import build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
 from pretrain.trainer import checkpoint, distributed, logs, precision, preflight, resilience
+from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
 from pretrain.trainer.loss import build_loss
@@ -88,10 +89,12 @@ def config_hash(cfg: Config) -> str:
 
 class Trainer:
     def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device,
-                 stop: resilience.StopRequest | None = None) -> None:
-        """stop: the signal listener the loop asks at each step boundary (none installed by default)."""
+                 stop: resilience.StopRequest | None = None, clock: StartupClock | None = None) -> None:
+        """stop: the signal listener the loop asks at each step boundary (none installed by default);
+        clock: the job's start-up so far (a new one by default)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.stop = stop or resilience.StopRequest()
+        self.clock = clock or StartupClock()
         self.run_dir = Path(cfg.run_dir)
         self.faults = resilience.Faults.from_environment()
         try:
@@ -101,6 +104,7 @@ class Trainer:
         failure = preflight.run(cfg, env.rank, env.world_size, device)
         if failure:
             raise TrainingError(failure)
+        self.clock.mark("preflight")
         self.global_batch = config.global_batch(cfg.train, env.world_size)
         self.accum = config.grad_accum_steps(cfg.train, env.world_size)
         if self.global_batch % (env.world_size * cfg.train.micro_batch):
@@ -126,10 +130,12 @@ class Trainer:
         self.wandb = WandbRun(cfg, env.is_main)
         self.progress = Progress(cfg, env.world_size, self.global_batch, device, env.is_main, self.metrics, self.wandb)
         self.state = TrainState()
+        self.clock.mark("model, optimizer and data")
 
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         last_checkpoint = self.resume()
+        self.clock.mark("checkpoint")
         self.wandb.start(self.state.restarts)
         self.log_start()
         train, loss = self.cfg.train, float("nan")
@@ -143,6 +149,7 @@ class Trainer:
                 loss_t, grad_norm = self.train_step()
                 step = self.state.step
                 if step == self.progress.first_step + 1:
+                    self.started(step)
                     watchdog.start()  # after the first step: compile and warm-up are bounded by the collective timeout
                     self.checkpointer.prepare(self.model, self.optimizer)
                 watchdog.beat(step)
@@ -204,6 +211,15 @@ class Trainer:
         return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
 
     # ---- reports --------------------------------------------------------------------------------
+    def started(self, step: int) -> None:
+        """The start-up's cost, once its first step has run (on the device too: one synchronisation)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.clock.mark("first step" + (" (compilation)" if self.cfg.fsdp.compile else ""))
+        if self.env.is_main:  # metrics.jsonl only: W&B's history is the logged steps'
+            log.info("step %d: %s", step, self.clock.line())
+            self.metrics.write(self.clock.record(step))
+
     def log_start(self) -> None:
         train = self.cfg.train
         fp8 = (f" with {self.cfg.precision.float8} FP8 matmuls in {float8.count(self.model)} linear layers"
@@ -385,6 +401,7 @@ class Trainer:
 # ---- the job's entry ------------------------------------------------------------------------------
 def run(cfg: Config) -> dict[str, Any]:
     """Train in this process as one rank of the job described by the environment."""
+    clock = StartupClock()
     env = distributed.detect()
     device = distributed.device_for(env)
     lock = rundir.RunLock(Path(cfg.run_dir))
@@ -399,7 +416,10 @@ def run(cfg: Config) -> dict[str, Any]:
         if env.is_main:
             source.ensure(cfg)  # the built-in corpus, when the run uses it and it is not there yet
         dist.barrier()
-        trainer = Trainer(cfg, env, device, stop)
+        if cfg.fsdp.compile:
+            persist_compile_cache(Path(cfg.run_dir) / rundir.COMPILE_CACHE)
+        clock.mark("process group")
+        trainer = Trainer(cfg, env, device, stop, clock)
         with trainer.wandb:
             return trainer.fit()
     finally:

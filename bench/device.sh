@@ -2,9 +2,13 @@
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
+#                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
-# the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11).
-# Results and logs go to $OUT/results; copy them into bench/results/ afterwards.
+# the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
+# side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
+# the bundle of tests/slurm/bundle.sh in .slurm-bundle/slurm.tar.gz.
+# Results and logs go to /tmp/results, packed at the end into $OUT/results.tgz (the device tool brings
+# back only a few files); unpack it into bench/results/ afterwards.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
 # Once per machine: several calls of this script may run side by side on different GPUs.
@@ -15,8 +19,9 @@ fi
 # The device tool's NVLink multicast must stay off (its KINDS.md says why).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-results=$OUT/results
+results=/tmp/results
 mkdir -p "$results"
+trap 'tar -czf "$OUT/results.tgz" -C /tmp results' EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$results/machine.txt"
 
 for phase in "$@"; do
@@ -44,6 +49,11 @@ for phase in "$@"; do
                   --out "$results" 2>&1 | tail -8 ;;
     1b-mb*)     mb=${phase#1b-mb}
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
+    side-1gpu)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 1b-1gpu-fp8 --out "$results" 2>&1 | tail -4 ;;
+    side-2gpu)  python3 bench/side_by_side.py --titan .titan 1b-2gpu-bf16 8b-2gpu-mb2-bf16 --out "$results" 2>&1 | tail -4 ;;
+    restart)    python3 bench/restart.py --out "$results" 2>&1 | tail -8 ;;
+    slurm-gpu)  bash tests/slurm/bundle.sh unpack .slurm-bundle/slurm.tar.gz 2>&1 | tail -3
+                python3 bench/slurm_gpu.py --out "$results" 2>&1 | tail -30 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -1,0 +1,93 @@
+"""How long a requeued job takes to start, against a cold start, through `python -m pretrain.launch`.
+
+    python bench/restart.py                       # the 1B shape on 1 GPU, compiled
+    python bench/restart.py --name restart-fp8 precision=fp8
+
+A cold start (a new run directory: no checkpoint, no compile cache) trains --every steps and stops
+with a checkpoint, as a job does on its time-limit signal; the same command again is the requeued
+job: it resumes from that checkpoint with the compile caches the first job left in the run
+directory, and stops again. A third job resumes with an empty compile cache (TORCHINDUCTOR_CACHE_DIR
+pointing at a new folder), for what the cache is worth. Each job records its start-up by phase in
+metrics.jsonl (`startup_s`: from the process's start to the end of its first step); those records
+are the figures. Writes NAME.json and NAME.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+BASE = ["model=llama-1b", "data=synthetic", "precision=bf16", "fsdp.compile=true", "train.seq_len=4096",
+        "train.micro_batch=8", "train.global_batch=8", "train.log_every=5", "train.eval_every=0", "train.ckpt_every=0",
+        "optim.warmup_steps=10"]
+JOBS = ("cold", "requeued", "requeued, empty compile cache")
+
+
+def startups(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in common.metrics(run_dir) if "startup_s" in r]
+
+
+def table(result: dict[str, Any]) -> str:
+    phases = list(dict.fromkeys(p for job in result["jobs"] for p in job.get("startup", {})))
+    head = "| job | exit | start-up (s) | " + " | ".join(phases) + " |\n|---|---|---|" + "---|" * len(phases) + "\n"
+    rows = []
+    for job in result["jobs"]:
+        cells = [f"{job['startup'].get(p, 0):.1f}" for p in phases] if job.get("startup") else ["-"] * len(phases)
+        total = f"{job['startup_s']:.1f}" if job.get("startup_s") is not None else "-"
+        rows.append(f"| {job['job']} | {job['exit_code']} | {total} | " + " | ".join(cells) + " |")
+    ratio = result.get("restart_over_cold")
+    tail = f"\n\nrequeued / cold start: **{ratio:.2f}**" if ratio else ""
+    return head + "\n".join(rows) + tail + f"\n\ncommand: `{result['command']}`"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="extra launcher overrides")
+    parser.add_argument("--name", default="restart-1b-1gpu")
+    parser.add_argument("--every", type=int, default=10, help="steps each job trains before it stops")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--skip-empty-cache", action="store_true", help="leave out the third job")
+    args = parser.parse_intermixed_args(argv)
+
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the run directory's cache, as a user's job has it
+    run_dir = args.runs / args.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    names = JOBS[:2] if args.skip_empty_cache else JOBS
+    steps = args.every * len(names)
+    jobs, commands = [], []
+    for index, job in enumerate(names):
+        if job == JOBS[2]:
+            empty = args.runs / f"{args.name}-empty-cache"
+            shutil.rmtree(empty, ignore_errors=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(empty)
+        # Each job stops with a checkpoint after `every` steps, as on its time limit; the next resumes there.
+        overrides = [*BASE, f"train.steps={steps}", f"train.stop_at_step={args.every * (index + 1)}", *args.overrides]
+        ran = common.launch(overrides, run_dir, args.timeout, args.out / f"{args.name}-{index}.log")
+        found = startups(run_dir)
+        record = found[index] if len(found) > index else {}
+        jobs.append({"job": job, **ran, "startup_s": record.get("startup_s"), "startup": record.get("startup", {}),
+                     "first_step": record.get("step")})
+        commands.append(ran["command"])
+        print(f"{job}: exit {ran['exit_code']}, start-up {record.get('startup_s')} s {record.get('startup', {})}")
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    result = {"name": args.name, **common.stamp(), "command": commands[0], "every": args.every, "jobs": jobs}
+    cold, requeued = jobs[0].get("startup_s"), jobs[1].get("startup_s")
+    if cold and requeued:
+        result["restart_over_cold"] = requeued / cold
+    common.write_result(args.out, args.name, result, table(result))
+    print(table(result))
+    return 0 if cold and requeued else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

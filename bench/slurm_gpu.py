@@ -200,6 +200,9 @@ def run_scenario(args: argparse.Namespace, cluster: Cluster, gpu_mem_gb: float |
                           "restarts_logged": max((r.get("restarts", 0) for r in common.metrics(b)), default=0),
                           "preflight": preflight(b)}
     result["status_after"] = status(cluster.env, b)
+    for log in [b / "train.log", *sorted((b / "slurm").glob("*_log.out"))]:  # the requeue, as the job told it
+        if log.is_file():
+            shutil.copy(log, logs / f"requeued-{log.name}")
     if result["uninterrupted"]["final_loss"] is not None and lb.get(args.steps) is not None:
         result["loss_difference"] = abs(lb[args.steps] - result["uninterrupted"]["final_loss"])
 

@@ -317,9 +317,17 @@ EOF
         done
     } >"$DIR/etc/gres.conf"
 
-    cat >"$DIR/etc/cgroup.conf" <<EOF
-CgroupPlugin=autodetect
-EOF
+    {
+        echo "CgroupPlugin=autodetect"
+        # On cgroup v2 without systemd (a container, a VM like the benchmark GPU machine) slurmd
+        # cannot ask systemd for its scope over D-Bus: it makes its cgroups itself.
+        if [[ $(stat -fc %T /sys/fs/cgroup 2>/dev/null) == cgroup2fs && ! -d /run/systemd/system ]]; then
+            echo "IgnoreSystemd=yes"
+            echo "CgroupAutomount=yes"
+            # Where systemd would have put its scope; slurmd enables its controllers there.
+            mkdir -p /sys/fs/cgroup/system.slice
+        fi
+    } >"$DIR/etc/cgroup.conf"
 
     [[ $ACCOUNTING == none ]] && return 0
     DB_PASS=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')

@@ -131,3 +131,16 @@ def test_every_readme_command_works(world):
             elif "model=llama-70b" in command and command.split()[2] == "pretrain.plan":
                 assert "smallest node count that fits: cluster.nodes=4" in result.stdout
     assert not failures, "README commands that failed:\n" + "\n".join(failures)
+
+
+def test_help_names_every_option_of_every_group(capsys):
+    """`python -m pretrain.launch --help` lists each config group under conf/ with all of its options."""
+    from pretrain import launch
+
+    assert launch.main(["--help"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    groups = [d for d in (REPO / "conf").iterdir() if d.is_dir()]
+    assert len(groups) >= 7
+    for group in groups:
+        listed = lines[group.name].split(None, 1)[1].replace(" (default)", "").split(", ")
+        assert sorted(listed) == sorted(p.stem for p in group.glob("*.yaml")), group.name

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
-#                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
+#                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8|hf-roundtrip|hf-roundtrip-2gpu
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11).
 # Results and logs go to $OUT/results; copy them into bench/results/ afterwards.
@@ -42,6 +42,9 @@ for phase in "$@"; do
                   precision=fp8 2>&1 | tail -4 ;;
     correctness-fp8) python3 bench/correctness.py --runs-of bf16 fp8 fp8-rowwise --name correctness-fp8 \
                   --out "$results" 2>&1 | tail -8 ;;
+    hf-roundtrip|hf-roundtrip-2gpu)  # transformers and safetensors: the device image's
+                gpus=1; [ "$phase" = hf-roundtrip-2gpu ] && gpus=2
+                python3 bench/hf_roundtrip.py --gpus $gpus --out "$results" 2>&1 | tail -24 ;;
     1b-mb*)     mb=${phase#1b-mb}
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
     *) echo "unknown phase $phase"; exit 2 ;;

@@ -14,6 +14,8 @@
 5. starts a continued-pretraining run from the exported folder (model.init_from) on --gpus GPUs
    and checks that its first loss is the exported model's loss on the same first batch (within 1%
    of transformers' and of ours in bf16); the trained run's first loss is a fresh model's, for scale.
+   That run is compiled and writes samples at its last step (train.sample_every: compiled blocks
+   run eagerly for generation), which the CPU tests cannot check.
 Writes hf-roundtrip-MODEL-NGPU.json and .md into --out (bench/results by default).
 """
 
@@ -55,7 +57,8 @@ def continue_overrides(args: argparse.Namespace, folder: Path) -> list[str]:
     return [f"model={args.model}", f"model.init_from={folder}", "data=builtin", f"precision={args.precision}",
             f"train.seq_len={args.seq_len}", f"train.micro_batch={args.micro_batch}",
             f"train.global_batch={args.micro_batch * args.gpus}", "train.steps=5", "train.log_every=1",
-            "train.eval_every=0", "train.ckpt_every=0", f"local.nproc={args.gpus}"]
+            "train.eval_every=0", "train.ckpt_every=0", f"local.nproc={args.gpus}", "fsdp.compile=true",
+            "train.sample_every=5"]
 
 
 def run(command: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
@@ -133,6 +136,7 @@ def verdicts(result: dict[str, Any]) -> dict[str, bool]:
         and bf16["mean_abs_diff"] <= BF16_SPREAD_FRACTION * bf16["logits_std"],
         "continued_run_starts_at_the_exported_loss": first is not None
         and all(abs(first - expected[who]) <= BF16_LOSS_REL * expected[who] for who in expected),
+        "continued_run_wrote_samples": cont["exit_code"] == 0 and bool(cont["samples"]),
     }
 
 
@@ -152,7 +156,8 @@ def table(result: dict[str, Any]) -> str:
              f"continued run (model.init_from, {result['gpus']} GPU(s)): first loss {c.get('first_loss')}; the exported "
              f"model's on that batch: ours {first['ours']:.5f}, transformers {first['transformers']:.5f} (a fresh "
              f"model's first loss: {result['trained_losses']['first']:.4f})",
-             f"generate (greedy) from the export: {json.dumps(result['generated'])}", ""]
+             f"generate (greedy) from the export: {json.dumps(result['generated'])}",
+             f"samples of the continued run (compiled, step 5): {json.dumps(c['samples'])}", ""]
     rows += [f"- {name}: {'PASS' if ok else 'FAIL'}" for name, ok in result["verdicts"].items()]
     rows += ["", "commands:"] + [f"- `{c}`" for c in result["commands"]]
     return "\n".join(rows)
@@ -187,11 +192,12 @@ def main() -> int:
     generated = (logs / f"{name}-generate.log").read_text().strip().splitlines()[-1:] or [""]
     continuing = common.launch(continue_overrides(args, folder), continued, args.timeout, logs / f"{name}-continue.log")
     losses = {r["step"]: r["loss"] for r in common.metrics(continued) if "loss" in r}
+    samples = [s for r in common.metrics(continued) for s in r.get("samples", [])]
     trained_losses = {r["step"]: r["loss"] for r in common.metrics(trained) if "loss" in r}
     result = {**common.stamp(), "model": args.model, "steps": args.steps, "gpus": args.gpus,
               "trained_losses": {"first": trained_losses.get(1, math.nan), "last": trained_losses.get(args.steps, math.nan)},
               "export": exporting, "logits": logits,
-              "generated": generated[0], "continued": {**continuing, "first_loss": losses.get(1), "losses": losses},
+              "generated": generated[0], "continued": {**continuing, "first_loss": losses.get(1), "losses": losses, "samples": samples},
               "commands": [training["command"], exporting["command"], generating["command"], continuing["command"]]}
     result["verdicts"] = verdicts(result)
     common.write_result(args.out, name, result, table(result))

@@ -271,6 +271,18 @@ class Config:
     run_dir: str = "???"
 
 
+def sampling_problem(sampling: SamplingConfig) -> tuple[str, str] | None:
+    """The first sampling setting that cannot work, as (field, what it must be), or None: for
+    train.sampling and python -m pretrain.generate's options alike, which name the field their way."""
+    if sampling.max_new_tokens < 1:
+        return "max_new_tokens", "must be at least 1"
+    if sampling.temperature < 0:
+        return "temperature", "must be 0 (greedy) or more"
+    if not 0 < sampling.top_p <= 1:
+        return "top_p", "must be above 0 and at most 1 (1: every token)"
+    return None
+
+
 def flat_items(data: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """(dotted key, value) for every value of nested dicts/lists, e.g. ("cluster.setup[0]", "module load x")."""
     if isinstance(data, dict):

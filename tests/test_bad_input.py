@@ -44,10 +44,12 @@ CASES = [
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0: must be between 0 and 1"),
     (["model.init_from=/nonexistent/hf"], "model.init_from=/nonexistent/hf: no such file or folder"),
     (["train.sample_every=-1"], "train.sample_every=-1: must be 0 (no samples) or more"),
-    (["train.sample_every=10", "train.sampling.top_p=1.5"], "train.sampling.top_p=1.5: must be in [0, 1]"),
+    (["train.sample_every=10", "train.sampling.top_p=1.5"], "train.sampling.top_p=1.5: must be above 0 and at most 1"),
     (["train.sample_every=10", "train.sampling.temperature=-1"], "train.sampling.temperature=-1.0: must be 0"),
     (["train.sample_every=10", "train.sampling.max_new_tokens=1024"], "leaves no room for a prompt"),
     (["data=synthetic", "train.sample_every=10"], "train.sample_every with synthetic data"),
+    (["train.sample_every=10", "train.sampling.max_new_tokens=1000", "train.sample_prompts=['" + "x" * 30 + "']"],
+     "train.sample_prompts[0] is 30 tokens long, and with train.sampling.max_new_tokens=1000 more that exceeds"),
     (["--fast"], "unknown option --fast"),
     # Values that used to pass the checks and fail on the compute node, after queueing.
     (["optim.lr=nan"], "optim.lr=nan: must be a finite number"),

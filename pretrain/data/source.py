@@ -34,9 +34,17 @@ def ensure(cfg: Config) -> None:
 
 
 def check(cfg: Config) -> None:
-    """Raise DataError (one line) if the data cannot feed this model at this sequence length."""
+    """Raise DataError (one line) if the data cannot feed this model at this sequence length, or its
+    tokenizer makes a sample prompt too long for the model."""
     if cfg.data.synthetic:
         return
+    check_data(cfg)
+    if cfg.train.sample_every:
+        check_prompts(cfg)
+
+
+def check_data(cfg: Config) -> None:
+    """The data's vocabulary within the model's, and enough tokens for a sequence."""
     if cfg.data.path is None:
         needed = ByteTokenizer().vocab_size
         if cfg.model.vocab_size < needed:
@@ -47,6 +55,18 @@ def check(cfg: Config) -> None:
         dataset = TokenDataset(data_dir(cfg), split)
         if split == "train" or dataset.num_tokens > 0:
             dataset.check(cfg.train.seq_len, cfg.model.vocab_size)
+
+
+def check_prompts(cfg: Config) -> None:
+    """Each of train.sample_prompts, tokenized, leaves room for train.sampling.max_new_tokens in the model."""
+    new = cfg.train.sampling.max_new_tokens
+    encode = tokenizer(cfg).encode
+    for index, prompt in enumerate(cfg.train.sample_prompts):
+        length = len(encode(prompt))
+        if length + new > cfg.model.max_seq_len:
+            raise DataError(f"train.sample_prompts[{index}] is {length} tokens long, and with "
+                            f"train.sampling.max_new_tokens={new} more that exceeds model.max_seq_len="
+                            f"{cfg.model.max_seq_len}: shorten it or ask for fewer tokens")
 
 
 def open_train(cfg: Config):

@@ -162,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ExportError, CheckpointError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except OSError as error:  # a full disk, a folder one may not write: nothing is left half-written
+        print(f"error: could not write {args.out} ({error.strerror or error}); free space or choose another --out",
+              file=sys.stderr)
+        return 1
     print(f"exported {done.checkpoint} to {done.folder}: {len(done.files)} weights file"
           f"{'s' if len(done.files) > 1 else ''}, {done.total_bytes / 1e6:,.1f} MB in {args.dtype}; "
           f"tokenizer: {done.tokenizer}")

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from pretrain import hf_format, rundir
-from pretrain.config import ConfigError, ModelConfig, SamplingConfig
+from pretrain.config import ConfigError, ModelConfig, SamplingConfig, sampling_problem
 from pretrain.data import source
 from pretrain.data.errors import DataError
 from pretrain.data.layout import TOKENIZER_FILE
@@ -89,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step", type=int, help="a run's checkpoint of this step (default: the newest)")
     args = parser.parse_args(argv)
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    problem = sampling_problem(sampling)
+    if problem:
+        field, must = problem
+        parser.error(f"--{field.replace('_', '-')} {getattr(sampling, field)}: {must}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         model, tokenizer = load(args.model, args.step, device)

@@ -115,12 +115,10 @@ def validate_sampling(cfg: Config) -> None:
                           "samples with; set train.sample_every=0")
     if not t.sample_prompts or not all(t.sample_prompts):
         raise ConfigError(f"train.sample_prompts={t.sample_prompts}: give one or more non-empty prompts")
-    _positive({"train.sampling.max_new_tokens": sampling.max_new_tokens})
-    if sampling.temperature < 0:
-        raise ConfigError(f"train.sampling.temperature={sampling.temperature}: must be 0 (greedy) or more")
-    _in_range("train.sampling.top_p", sampling.top_p, 0.0, 1.0)
-    if sampling.top_p == 0:
-        raise ConfigError("train.sampling.top_p=0: must be above 0 (1 draws from every token)")
+    problem = config.sampling_problem(sampling)
+    if problem:
+        field, must = problem
+        raise ConfigError(f"train.sampling.{field}={getattr(sampling, field)}: {must}")
     if sampling.max_new_tokens >= cfg.model.max_seq_len:
         raise ConfigError(f"train.sampling.max_new_tokens={sampling.max_new_tokens} leaves no room for a prompt in "
                           f"model.max_seq_len={cfg.model.max_seq_len}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ import torch
 from pretrain import hf_format, rundir
 from pretrain.data.prepare import prepare
 from pretrain.data.tokenizer import ByteTokenizer, HFTokenizer
-from pretrain.hf import weights
 from pretrain.hf.export import export, main
+from pretrain.hf.generate import from_folder
 from pretrain.models.llama import Transformer
 from tests.helpers import MINI_MODEL, REPO, checkpointed_run, launch, one_process_group, write_tokenizer
 
@@ -45,8 +46,9 @@ def test_exported_model_computes_our_logits_in_transformers_and_reads_back_ident
         expected = ours(tokens)
         gap = (theirs(tokens).logits - expected).abs().max().item()
         assert gap <= 1e-5, gap
-        again = Transformer(ours.cfg)  # what model.init_from reads back (every rank its rows; here all of them)
-        weights.load(again, ours.cfg, tmp_path / "hf")
+        # Read back as model.init_from reads (every rank its rows; here all of them), config.json included.
+        again, _ = from_folder(tmp_path / "hf", torch.device("cpu"))
+        assert again.cfg == replace(ours.cfg, name="hf", n_kv_heads=ours.cfg.kv_heads)
         assert torch.equal(again(tokens), expected)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["num_key_value_heads"], config["tie_word_embeddings"]) == (ours.cfg.kv_heads, ours.cfg.tie_embeddings)

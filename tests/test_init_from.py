@@ -126,3 +126,17 @@ def test_parameter_shapes_are_the_models():
         if cfg.tie_embeddings:
             del built["output.weight"]
         assert hf_format.parameter_shapes(cfg) == built
+
+
+def test_init_from_is_made_absolute_and_bound_into_the_container(tmp_path, exported, monkeypatch):
+    """The job may start in another folder, and in a container that sees only what is bound."""
+    from pretrain.compose import compose
+    from pretrain.launcher import container, preparation
+    from pretrain.launcher.world import world_of
+
+    monkeypatch.chdir(exported[0].parent)
+    cfg = compose(["+cluster=a100x8", *MINI_MODEL, f"model.init_from={exported[0].name}",
+                   f"hydra.run.dir={tmp_path / 'run'}"])
+    preparation.check_config(cfg, world_of(cfg))
+    assert cfg.model.init_from == str(exported[0].resolve())
+    assert cfg.model.init_from in container.extra_binds(cfg)

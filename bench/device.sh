@@ -2,7 +2,7 @@
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
-#                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip
+#                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -47,6 +47,9 @@ for phase in "$@"; do
                   precision=fp8 2>&1 | tail -4 ;;
     correctness-fp8) python3 bench/correctness.py --runs-of bf16 fp8 fp8-rowwise --name correctness-fp8 \
                   --out "$results" 2>&1 | tail -8 ;;
+    hf-roundtrip|hf-roundtrip-2gpu)  # transformers and safetensors: the device image's
+                gpus=1; [ "$phase" = hf-roundtrip-2gpu ] && gpus=2
+                python3 bench/hf_roundtrip.py --gpus $gpus --out "$results" 2>&1 | tail -24 ;;
     1b-mb*)     mb=${phase#1b-mb}
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
     side-1gpu)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 1b-1gpu-fp8 --out "$results" 2>&1 | tail -4 ;;

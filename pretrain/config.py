@@ -37,6 +37,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # A Hugging Face Llama folder (or .safetensors files) whose weights a fresh run starts from instead of
+    # random ones (each rank reads its own shards); a run resuming from its checkpoint ignores it.
+    init_from: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:
@@ -90,6 +93,18 @@ class OptimConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """How prompts are continued: by `python -m pretrain.generate` (its defaults) and train.sample_every."""
+
+    max_new_tokens: int = 64
+    # 0: greedy, the most likely token each time (deterministic).
+    temperature: float = 0.8
+    # Nucleus sampling: draw from the most likely tokens that together hold this much probability.
+    top_p: float = 0.95
+    seed: int = 0
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200
     seq_len: int = 256
@@ -120,6 +135,10 @@ class TrainConfig:
     # Accept starting again from step 0 in a run directory whose checkpoints are all damaged (they are
     # kept, set aside); without it such a run stops instead of silently losing its progress.
     start_from_scratch: bool = False
+    # Every this many steps (0: never), continuations of sample_prompts go to the log, metrics.jsonl and W&B.
+    sample_every: int = 0
+    sample_prompts: list[str] = field(default_factory=lambda: ["The ", "In the ", "def "])
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 @dataclass
@@ -254,6 +273,18 @@ class Config:
     prepare_only: bool = False
     # Filled in by the launcher: where the run lives.
     run_dir: str = "???"
+
+
+def sampling_problem(sampling: SamplingConfig) -> tuple[str, str] | None:
+    """The first sampling setting that cannot work, as (field, what it must be), or None: for
+    train.sampling and python -m pretrain.generate's options alike, which name the field their way."""
+    if sampling.max_new_tokens < 1:
+        return "max_new_tokens", "must be at least 1"
+    if sampling.temperature < 0:
+        return "temperature", "must be 0 (greedy) or more"
+    if not 0 < sampling.top_p <= 1:
+        return "top_p", "must be above 0 and at most 1 (1: every token)"
+    return None
 
 
 def flat_items(data: Any, path: str = "") -> Iterator[tuple[str, Any]]:

@@ -273,6 +273,21 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_of(run_dir: Path, step: int | None = None) -> Path:
+    """The newest complete checkpoint of a run, or that of `step`; CheckpointError naming what there is."""
+    found = complete_checkpoints(Path(run_dir) / CHECKPOINTS)
+    if not found:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint yet (checkpoints are written every "
+                              "train.ckpt_every steps and at the end of training); train it further first")
+    if step is None:
+        return found[-1]
+    by_step = {step_of(path): path for path in found}
+    if step not in by_step:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint of step {step}; its complete checkpoints are of "
+                              f"step {', '.join(str(s) for s in sorted(by_step))} (train.ckpt_keep keeps the newest)")
+    return by_step[step]
+
+
 def damaged_checkpoints(root: Path) -> list[Path]:
     """Checkpoints set aside as damaged, oldest first."""
     return sorted(root.glob(f"step_*{DAMAGED}*")) if root.is_dir() else []

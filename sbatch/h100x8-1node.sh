@@ -38,6 +38,7 @@ model:
   norm_eps: 1.0e-05
   tie_embeddings: false
   init_std: 0.02
+  init_from: null
 fsdp:
   strategy: full_shard
   shard_size: null
@@ -79,6 +80,16 @@ train:
   async_checkpoint: false
   max_bad_steps: 5
   start_from_scratch: false
+  sample_every: 0
+  sample_prompts:
+  - 'The '
+  - 'In the '
+  - 'def '
+  sampling:
+    max_new_tokens: 64
+    temperature: 0.8
+    top_p: 0.95
+    seed: 0
 metrics:
   peak_flops: null
 logging:

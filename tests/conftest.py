@@ -6,6 +6,7 @@ import pytest
 
 # Keep every test off the network and away from a user's W&B account.
 os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers reads the folders the tests write, never the hub
 # Commands the tests run by name (`python`, and `python3` inside the stand-in container) are those of the
 # environment running the tests, as in a user's activated environment, also when CI calls .venv/bin/python.
 os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])

@@ -84,3 +84,43 @@ def one_process_group(backend: str = "gloo"):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def checkpointed_run(run_dir: Path, *overrides: str, step: int = 1):
+    """A run directory (the composed config) whose one checkpoint, of `step`, holds the freshly initialised
+    model, written by the trainer's Checkpointer in this process: for what reads checkpoints, without
+    training. Returns that model, unsharded."""
+    import torch
+
+    from pretrain.compose import compose
+    from pretrain.launcher.preparation import write_run
+    from pretrain.models.llama import Transformer
+    from pretrain.parallel.parallelize import build_mesh
+    from pretrain.trainer.checkpoint import Checkpointer
+    from pretrain.trainer.loop import build_model
+    from pretrain.trainer.optim import build_optimizer
+
+    cfg = compose(["fsdp.activation_checkpointing=none", *overrides, f"hydra.run.dir={run_dir}"])  # as the launcher settles it
+    write_run(cfg)
+    cpu = torch.device("cpu")
+    with one_process_group():
+        model = build_model(cfg, cpu, build_mesh(cfg.fsdp, cpu, 1, 1))
+        Checkpointer(Path(run_dir) / "checkpoints", keep=1).save(step, model, build_optimizer(model, cfg.optim, cpu),
+                                                                 {"step": step}, cfg.model, "test")
+        weights = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+    plain = Transformer(cfg.model)
+    plain.load_state_dict(weights)
+    return plain.eval()
+
+
+def write_tokenizer(path: Path, corpus: Path) -> None:
+    """A byte-level BPE tokenizer.json of 400 tokens (<|endoftext|> among them), trained on corpus/**/*.txt."""
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train([str(p) for p in corpus.rglob("*.txt")], trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(path))

@@ -44,6 +44,22 @@ def test_host_dtensor_keeps_the_mesh_and_takes_the_host_shard():
         assert torch.equal(host, torch.arange(12.0).reshape(3, 4)) and copied["lr"] == 0.1
 
 
+def test_local_rows_name_where_a_shard_lies():
+    """One process here: the whole tensor (tests/test_init_from.py shows 2 ranks reading their own rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    params = list(inspect.signature(compute_local_shape_and_global_offset).parameters)
+    assert params[:3] == ["global_shape", "mesh", "placements"], params
+    with one_process_group():
+        sharded = distribute_tensor(torch.arange(12.0).reshape(3, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        local, rows = compat.local_rows(sharded)
+        assert rows == range(3) and local.data_ptr() == sharded.to_local().data_ptr()
+    plain = torch.zeros(5, 2)
+    assert compat.local_rows(plain)[0] is plain and compat.local_rows(plain)[1] == range(5)
+
+
 def test_fsdp_gradient_reduction_over_gloo_has_its_switch_or_its_private_factors():
     if compat.CPU_ALL_REDUCE:  # torch >= 2.8: the public switch
         from torch.distributed.fsdp import FSDPModule

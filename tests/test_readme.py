@@ -2,7 +2,8 @@
 
 Each command runs as a user types it (through bash, from an empty folder), with its example paths
 pointing at real files (a prepared dataset for /data/mycorpus, text files for /data/raw, a trained
-tokenizer, an image file for the .sif) and a stand-in `apptainer` on PATH. Launches run first as
+tokenizer, an image file for the .sif, a run with a checkpoint for RUN_DIR, the folder its export
+writes for EXPORT_DIR) and a stand-in `apptainer` on PATH. Launches run first as
 written with `dry_run=true` (every check a real launch makes, nothing started); local ones then
 train for real, shortened to a couple of steps. `pretrain.sync` gets `--dry-run` (no W&B server is
 reachable from tests). A README example that stops working fails here.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, checkpointed_run, write_tokenizer
 
 README = REPO / "README.md"
 # Appended to local training commands: a couple of tiny steps, whatever the model preset says.
@@ -45,18 +46,6 @@ def is_slurm(command: str) -> bool:
     return "+cluster=" in command
 
 
-def write_tokenizer(path: Path, corpus: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    bpe.train([str(p) for p in corpus.rglob("*.txt")], trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    bpe.save(str(path))
-
-
 @pytest.fixture
 def world(tmp_path: Path) -> dict[str, Path]:
     """The files the README's example paths stand for, under tmp_path."""
@@ -73,12 +62,16 @@ def world(tmp_path: Path) -> dict[str, Path]:
     home.mkdir()
     cwd = tmp_path / "work"
     cwd.mkdir()
+    checkpointed_run(tmp_path / "trained", "model=tiny")
     return {"root": tmp_path, "cwd": cwd, "home": home}
 
 
 def substituted(command: str, root: Path, cwd: Path) -> str:
     command = command.replace("/data/", f"{root}/data/").replace("/path/to/", f"{root}/path/to/")
     command = command.replace("/scratch/", f"{root}/scratch/")
+    command = command.replace("EXPORT_DIR", shlex.quote(str(root / "export")))
+    if "RUN_OR_SWEEP_DIR" not in command:
+        command = command.replace("RUN_DIR", shlex.quote(str(root / "trained")))
     if "RUN_OR_SWEEP_DIR" in command:
         runs = list((cwd / "runs").glob("*/*/config.yaml"))
         assert runs, f"no run directory under {cwd / 'runs'} for: {command}"
@@ -113,14 +106,15 @@ def test_readme_lists_the_commands_it_promises():
     assert "python -m pretrain.launch" in commands
     assert "python -m pretrain.launch +cluster=a100x8" in commands
     assert any(c.startswith("python -m pretrain.launch -m ") for c in commands)
-    for module in ("plan", "status", "sync", "report", "data.prepare"):
+    for module in ("plan", "status", "sync", "report", "data.prepare", "export", "generate"):
         assert any(c.startswith(f"python -m pretrain.{module} ") for c in commands), module
 
 
 def test_every_readme_command_works(world):
     commands = readme_commands(README.read_text())
-    # The data is prepared before the commands that train on it, wherever the README shows them.
-    ordered = sorted(commands, key=lambda c: not c.startswith("python -m pretrain.data.prepare"))
+    # The data is prepared, and the run exported, before the commands that use them, wherever the README shows them.
+    first = ("python -m pretrain.data.prepare", "python -m pretrain.export")
+    ordered = sorted(commands, key=lambda c: next((i for i, f in enumerate(first) if c.startswith(f)), len(first)))
     failures = []
     for command in ordered:
         for attempt in runs_of(command):

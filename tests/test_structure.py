@@ -3,10 +3,10 @@
 Every import of every module under pretrain/ is read with `ast` (imports inside functions count:
 they run too), and each module's imports are checked against the rules of its room:
 
-  core      config, compose, rundir, flops, redaction, hosts, data/
-  launcher  the login node: may use the core and tracking, never the trainer, parallel, models or torch
+  core      config, compose, rundir, flops, redaction, hosts, hf_format, data/
+  launcher  the login node: may use the core and tracking, never the trainer, parallel, models, hf or torch
   tracking  W&B, sync, report: the core only, and no torch
-  trainer, parallel, models   the job: anything but the launcher
+  trainer, parallel, models, hf   the job side (hf: export, init_from's reading, generate): anything but the launcher
 
 and the module graph must have no cycle. Then the commands of the login node are started for real
 and must not load torch.
@@ -25,12 +25,13 @@ from tests.helpers import REPO
 
 PACKAGE = REPO / "pretrain"
 CORE = {"pretrain", "pretrain.config", "pretrain.compose", "pretrain.rundir", "pretrain.flops",
-        "pretrain.redaction", "pretrain.hosts"}
+        "pretrain.redaction", "pretrain.hosts", "pretrain.hf_format"}
 # The entry points (`python -m pretrain.X`): each only hands over to its wing.
 ENTRIES = {"pretrain.launch": "pretrain.launcher", "pretrain.plan": "pretrain.launcher",
            "pretrain.status": "pretrain.launcher", "pretrain.sync": "pretrain.tracking",
-           "pretrain.report": "pretrain.tracking", "pretrain.train": "pretrain.trainer"}
-JOB_SIDE = ("pretrain.trainer", "pretrain.parallel", "pretrain.models")
+           "pretrain.report": "pretrain.tracking", "pretrain.train": "pretrain.trainer",
+           "pretrain.export": "pretrain.hf", "pretrain.generate": "pretrain.hf"}
+JOB_SIDE = ("pretrain.trainer", "pretrain.parallel", "pretrain.models", "pretrain.hf")
 
 
 def module_name(path: Path) -> str:
@@ -54,13 +55,18 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 GRAPH = {name: {m for m in imports_of(path) if m in MODULES and m != name} for name, path in MODULES.items()}
 
 
+def within(name: str, *packages: str) -> bool:
+    """Whether module `name` is one of the packages or inside one (pretrain.hf_format is not inside pretrain.hf)."""
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
 def room(name: str) -> str:
     if name in ENTRIES:
         return "entry"
-    if name in CORE or name.startswith("pretrain.data"):
+    if name in CORE or within(name, "pretrain.data"):
         return "core"
-    for wing in ("launcher", "tracking", "trainer", "parallel", "models"):
-        if name.startswith(f"pretrain.{wing}"):
+    for wing in ("launcher", "tracking", "trainer", "parallel", "models", "hf"):
+        if within(name, f"pretrain.{wing}"):
             return wing
     return "unknown"
 
@@ -68,16 +74,16 @@ def room(name: str) -> str:
 def forbidden(name: str, imported: str) -> bool:
     kind = room(name)
     top = imported.split(".")[0]
-    if kind in ("core", "launcher", "tracking") and (top in ("torch", "torchao") or imported.startswith(JOB_SIDE)):
+    if kind in ("core", "launcher", "tracking") and (top in ("torch", "torchao") or within(imported, *JOB_SIDE)):
         return True
-    if kind == "core" and imported.startswith(("pretrain.launcher", "pretrain.tracking")):
+    if kind == "core" and within(imported, "pretrain.launcher", "pretrain.tracking"):
         return True
-    if kind == "tracking" and imported.startswith("pretrain.launcher"):
+    if kind == "tracking" and within(imported, "pretrain.launcher"):
         return True
-    if kind in ("trainer", "parallel", "models") and imported.startswith("pretrain.launcher"):
+    if kind in ("trainer", "parallel", "models", "hf") and within(imported, "pretrain.launcher"):
         return True
     if kind == "entry":
-        return imported.startswith("pretrain.") and not imported.startswith(ENTRIES[name])
+        return imported.startswith("pretrain.") and not within(imported, ENTRIES[name])
     return False
 
 
@@ -97,6 +103,10 @@ def test_the_rules_catch_a_login_module_that_imports_torch():
     assert forbidden("pretrain.rundir", "pretrain.trainer.checkpoint")
     assert forbidden("pretrain.tracking.report", "pretrain.launcher.status")
     assert forbidden("pretrain.trainer.loop", "pretrain.launcher.preparation")
+    assert forbidden("pretrain.launcher.preparation", "pretrain.hf.weights")
+    assert forbidden("pretrain.hf.export", "pretrain.launcher.cli")
+    assert not forbidden("pretrain.launcher.preparation", "pretrain.hf_format")
+    assert forbidden("pretrain.export", "pretrain.hf_format")  # an entry hands over to its wing only
     assert not forbidden("pretrain.trainer.loop", "torch")
 
 

@@ -1,7 +1,9 @@
 """On-disk layout of a prepared dataset, shared by the writer and the reader.
 
 A prepared dataset is a directory holding ``train.bin`` and ``val.bin`` (flat
-arrays of token ids, no header) and ``meta.json``. ``meta.json`` is written
+arrays of token ids, no header) and ``meta.json``; with a Hugging Face tokenizer, a
+copy of its ``tokenizer.json`` (and of the ``tokenizer_config.json`` beside it, if
+any), so the data keeps the tokenizer that made it. ``meta.json`` is written
 last, so its presence marks a complete dataset.
 """
 
@@ -11,6 +13,8 @@ import numpy as np
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPLITS = ("train", "val")
 
 

@@ -21,7 +21,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from pretrain.data.errors import DataError
-from pretrain.data.layout import FORMAT_VERSION, META_FILE, SPLITS, bin_file, token_dtype
+from pretrain.data.layout import FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, bin_file, \
+    token_dtype
 from pretrain.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ def write_dataset(
             raise DataError(f"no text to tokenize in {_describe(sources)}")
         num_val = min(round(num_tokens * val_fraction), num_tokens - 1)
         _move_tail(bin_file(staging, "train"), bin_file(staging, "val"), num_val * dtype.itemsize)
+        for name, path in tokenizer.files().items():
+            shutil.copyfile(path, staging / name)
         meta = {
             "format": FORMAT_VERSION,
             "dtype": dtype.name,
@@ -185,6 +188,10 @@ def _publish(staging: Path, out: Path) -> None:
     (out / META_FILE).unlink(missing_ok=True)
     for split in SPLITS:
         os.replace(bin_file(staging, split), bin_file(out, split))
+    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):  # the copies of this tokenizer, none of an earlier one
+        (out / name).unlink(missing_ok=True)
+        if (staging / name).is_file():
+            os.replace(staging / name, out / name)
     os.replace(staging / META_FILE, out / META_FILE)
 
 

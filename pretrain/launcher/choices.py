@@ -20,6 +20,8 @@ MAIN_KEYS = {
     "train.global_batch_tokens": "tokens per step, instead of train.global_batch",
     "optim.lr": "peak learning rate",
     "data.path": "a folder from `python -m pretrain.data.prepare` (null: the built-in corpus)",
+    "model.init_from": "a Hugging Face Llama folder to start from (null: random weights)",
+    "train.sample_every": "steps between samples of the model's text in the log (0: none)",
     "fsdp.activation_checkpointing": "auto, none, selective or full",
     "fsdp.compile": "torch.compile the blocks and the loss",
     "local.nproc": "processes on this machine (null: one per GPU, or 1)",

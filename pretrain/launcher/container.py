@@ -34,10 +34,8 @@ def runtime(cfg: Config) -> str:
 
 
 def extra_binds(cfg: Config) -> list[str]:
-    """Bind mounts besides the run directories: the data and container.binds."""
-    binds = []
-    if cfg.data.path is not None:
-        binds.append(str(Path(cfg.data.path).expanduser().resolve()))
+    """Bind mounts besides the run directories: the data, the weights of model.init_from and container.binds."""
+    binds = [str(Path(path).expanduser().resolve()) for path in (cfg.data.path, cfg.model.init_from) if path is not None]
     return binds + list(cfg.cluster.container.binds)
 
 
@@ -69,8 +67,8 @@ def check(cfg: Config) -> list[str]:
     for bind in extra_binds(cfg):
         source = Path(bind.split(":", 1)[0]).expanduser()
         if not source.exists():
-            raise ConfigError(f"container bind source {source} does not exist (from cluster.container.binds "
-                              "or data.path)")
+            raise ConfigError(f"container bind source {source} does not exist (from cluster.container.binds, "
+                              "data.path or model.init_from)")
     if shutil.which(runtime(cfg)) is None:
         raise ConfigError(f"cluster.container.runtime={runtime(cfg)} is not on PATH: load its module, or set "
                           "cluster.container.runtime=auto")

@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from pretrain import config, rundir
+from pretrain import config, hf_format, rundir
 from pretrain.config import Config, ConfigError
 from pretrain.data import source
 from pretrain.launcher import local, plan, validate
@@ -16,10 +16,14 @@ from pretrain.launcher.world import World
 
 
 def check_config(cfg: Config, world: World) -> None:
-    """The config, its memory estimate and its data; then settles the values that follow the world
-    size and the GPUs (a global batch left unset, activation checkpointing `auto`) in `cfg`, so that
-    the run's config.yaml says what it runs."""
+    """The config, the weights of model.init_from (their shapes against the model's, from their headers),
+    its memory estimate and its data; then settles the values that follow the world size and the GPUs (a
+    global batch left unset, activation checkpointing `auto`) in `cfg`, so that the run's config.yaml says
+    what it runs."""
     validate.validate(cfg, world)
+    if cfg.model.init_from is not None:
+        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().resolve())  # the job may start elsewhere
+        hf_format.check_source(cfg.model, Path(cfg.model.init_from))
     if cfg.cluster is None:
         local.check(cfg, local.devices(cfg))
     target = plan.target_of(cfg, world)

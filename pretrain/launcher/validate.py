@@ -103,6 +103,27 @@ def validate_train(cfg: Config, world_size: int) -> None:
                           f"train.micro_batch={t.micro_batch} = {per_step}; e.g. train.global_batch={fits}")
 
 
+def validate_sampling(cfg: Config) -> None:
+    """train.sample_every and its settings (train.sampling), which `python -m pretrain.generate` shares."""
+    t, sampling = cfg.train, cfg.train.sampling
+    if t.sample_every < 0:
+        raise ConfigError(f"train.sample_every={t.sample_every}: must be 0 (no samples) or more")
+    if not t.sample_every:
+        return
+    if cfg.data.synthetic:
+        raise ConfigError("train.sample_every with synthetic data: random tokens have no tokenizer to write "
+                          "samples with; set train.sample_every=0")
+    if not t.sample_prompts or not all(t.sample_prompts):
+        raise ConfigError(f"train.sample_prompts={t.sample_prompts}: give one or more non-empty prompts")
+    problem = config.sampling_problem(sampling)
+    if problem:
+        field, must = problem
+        raise ConfigError(f"train.sampling.{field}={getattr(sampling, field)}: {must}")
+    if sampling.max_new_tokens >= cfg.model.max_seq_len:
+        raise ConfigError(f"train.sampling.max_new_tokens={sampling.max_new_tokens} leaves no room for a prompt in "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
+
+
 def validate_parallel(cfg: Config, world: World) -> None:
     f = cfg.fsdp
     _one_of("fsdp.strategy", f.strategy, config.STRATEGIES)
@@ -196,6 +217,7 @@ def validate(cfg: Config, world: World) -> None:
         validate_cluster(cfg.cluster)
     validate_model(cfg)
     validate_train(cfg, world.size)
+    validate_sampling(cfg)
     validate_parallel(cfg, world)
     validate_precision(cfg, world.cuda)
     validate_plan_and_preflight(cfg)

@@ -1,7 +1,8 @@
 """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
 Plain PyTorch in the spirit of nanoGPT. Nothing here knows about processes, meshes or
-precision policies; `pretrain.parallel.parallelize` applies those to a built model.
+precision policies; `pretrain.parallel.parallelize` applies those to a built model. For generation,
+`forward` takes a KVCache: each call then feeds only the new tokens; training never passes one.
 """
 
 from __future__ import annotations
@@ -55,6 +56,50 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class KVCache:
+    """The keys and values of every position so far, layer by layer, for generating token by token.
+
+    Buffers of max_len positions are made at the first call, in the dtype and on the device of the
+    keys. `forward` hands each block its layer's view (LayerCache) and then advances `length`.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0  # positions cached
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def layer(self, index: int) -> LayerCache:
+        return LayerCache(self, index)
+
+
+class LayerCache:
+    """One layer's part of a KVCache, during one forward that adds positions from `cache.length` on."""
+
+    def __init__(self, cache: KVCache, index: int) -> None:
+        self.cache, self.index = cache, index
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' k, v [batch, kv_heads, new, head_dim]; return those of all positions so far."""
+        cache, start = self.cache, self.cache.length
+        end = start + k.shape[2]
+        if end > cache.max_len:
+            raise ValueError(f"{end} positions exceed the cache's {cache.max_len} (the model's max_seq_len)")
+        if self.index == len(cache.keys):
+            shape = (*k.shape[:2], cache.max_len, k.shape[3])
+            cache.keys.append(k.new_zeros(shape))
+            cache.values.append(v.new_zeros(shape))
+        keys, values = cache.keys[self.index], cache.values[self.index]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def mask(self, new: int, device: torch.device) -> torch.Tensor:
+        """Which positions each new query attends to: [new, length + new], causal from the cached ones on."""
+        start = self.cache.length
+        return torch.ones(new, start + new, dtype=torch.bool, device=device).tril(start)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -66,18 +111,23 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """freqs: the rotations of x's positions (from the first one on: position 0, or the cache's length)."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        mask = None
+        if cache is not None:
+            mask = cache.mask(seq, x.device)
+            k, v = cache.extend(k, v)
         if self.n_kv_heads != self.n_heads:
             repeat = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -102,8 +152,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs)
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -115,8 +165,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         # A buffer, not a parameter: recomputed after loading, never checkpointed.
         self.register_buffer("freqs", self._freqs(), persistent=False)
 
@@ -144,13 +193,30 @@ class Transformer(nn.Module):
         if not self.cfg.tie_embeddings:
             out_std = self.cfg.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        self.init_buffers()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings, make the output layer's weight the embedding's (again after `to_empty()`,
+        which gives each module a tensor of its own)."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_buffers(self) -> None:
+        """Compute the RoPE rotations, which are never saved: after `to_empty()` from the meta device."""
         self.freqs = self._freqs(self.freqs.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for token ids [batch, seq]."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for token ids [batch, seq]; with a cache, of positions from its
+        length on, attending to the cached ones too (and added to it)."""
         h = self.tok_embeddings(tokens)
-        for block in self.layers:
-            h = block(h, self.freqs)
+        if cache is None:
+            for block in self.layers:
+                h = block(h, self.freqs)
+        else:
+            freqs = self.freqs[cache.length:]
+            for index, block in enumerate(self.layers):
+                h = block(h, freqs, cache.layer(index))
+            cache.length += tokens.shape[1]
         return self.output(self.norm(h))
 
 

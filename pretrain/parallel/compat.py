@@ -8,6 +8,9 @@ each piece with a test (tests/test_compat.py) that fails loudly when a torch rel
   no public way to make a DTensor whose local shard lives on the host while its mesh is on GPUs, nor
   to copy a state dict into such buffers; `_copy_state_dict` and the `_local_tensor` assignment are
   what torch's own `_create_cpu_state_dict` uses.
+- Which rows of a parameter a rank holds (model.init_from reads only those): DTensor has no public
+  way to say where its local shard lies in the whole; `compute_local_shape_and_global_offset` is what
+  DCP uses for it.
 """
 
 from __future__ import annotations
@@ -70,3 +73,16 @@ def copy_state_dict(state: dict[str, Any], into: dict[str, Any], non_blocking: b
     from torch.distributed._state_dict_utils import _copy_state_dict
 
     return _copy_state_dict(state, into, non_blocking=non_blocking)
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, range]:
+    """The part of a parameter this rank holds, and which rows of the whole it is: a DTensor's local
+    shard (FSDP2 splits dim 0 only), or a plain tensor whole."""
+    if not isinstance(tensor, DTensor):
+        return tensor, range(tensor.shape[0])
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if any(offset[1:]) or tuple(shape[1:]) != tuple(tensor.shape[1:]):
+        raise ValueError(f"a parameter split along more than its rows ({tensor.placements}): only FSDP's are read")
+    return tensor.to_local(), range(offset[0], offset[0] + shape[0])

@@ -119,7 +119,8 @@ class WandbRun:
         if self.run is None or step <= self.sent_before:
             return
         try:
-            self.run.log({k: v for k, v in record.items() if k not in NOT_LOGGED}, step=step)
+            self.run.log({k: _as_table(v) if k == "samples" else v for k, v in record.items() if k not in NOT_LOGGED},
+                         step=step)
         except Exception as err:  # see _init
             log.warning("W&B: logging stopped at step %d (%s); metrics.jsonl has everything", step, _one_line(err))
             self.run = None
@@ -151,6 +152,13 @@ class WandbRun:
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         tmp.write_text(json.dumps({"id": run_id, "last_step": self.last_sent, "ended": self.ended}) + "\n")
         os.replace(tmp, self.state_path)
+
+
+def _as_table(samples: list[dict[str, str]]) -> Any:
+    """train.sample_every's continuations as a W&B table: one row per prompt."""
+    import wandb
+
+    return wandb.Table(columns=["prompt", "text"], data=[[sample["prompt"], sample["text"]] for sample in samples])
 
 
 def read_state(run_dir: Path) -> dict[str, Any]:

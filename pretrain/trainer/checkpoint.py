@@ -55,6 +55,10 @@ from pretrain.trainer.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
+# The model's part of a checkpoint's state: DCP stores its tensors as MODEL_STATE.NAME (pretrain.hf reads them).
+MODEL_STATE = "model"
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (raised on every rank alike); the message says why."""
 
@@ -273,7 +277,7 @@ class Checkpointer:
         """
         if self.async_save and self._prepared is None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            self._prepared = self._writer.submit(self._staging.allocate, {"model": model_sd, "optim": optim_sd})
+            self._prepared = self._writer.submit(self._staging.allocate, {MODEL_STATE: model_sd, "optim": optim_sd})
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
              model_cfg: ModelConfig, config_hash: str) -> Path:
@@ -296,7 +300,7 @@ class Checkpointer:
         _on_rank_0(make_folder, f"cannot create {partial}")  # also the barrier before the shards
         barrier_done = time.perf_counter()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {MODEL_STATE: model_sd, "optim": optim_sd}
         self.phases = {"barrier": barrier_done - started, "state dict": time.perf_counter() - barrier_done}
         torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
         manifest = {"step": step, "world_size": dist.get_world_size(), "config_hash": config_hash,
@@ -389,9 +393,9 @@ class Checkpointer:
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {MODEL_STATE: model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=ParallelReader(str(path)))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))

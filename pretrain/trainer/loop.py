@@ -31,7 +31,9 @@ from pretrain import config, flops, rundir
 from pretrain.config import Config, ConfigError
 from pretrain.data import source
 from pretrain.data.errors import DataError
+from pretrain.hf import weights as hf_weights
 from pretrain.models.llama import Transformer
+from pretrain.models.sampling import continue_text
 from pretrain.parallel import float8
 from pretrain.parallel.parallelize import build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
@@ -124,6 +126,7 @@ class Trainer:
         self.loss_fn = self.faults.poisoned_loss(self.eval_loss_fn, lambda: self.state.step + 1)
         self.data = source.open_train(cfg)
         self.val_data = source.open_val(cfg)
+        self.tokenizer = source.tokenizer(cfg) if cfg.train.sample_every else None
         self.checkpointer = Checkpointer(self.run_dir / rundir.CHECKPOINTS, cfg.train.ckpt_keep,
                                          async_save=cfg.train.async_checkpoint, device=self.device)
         self.metrics = rundir.MetricsFile(self.run_dir / rundir.METRICS_FILE)
@@ -135,6 +138,10 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         last_checkpoint = self.resume()
+        if last_checkpoint is None:
+            self.start_from_weights()
+        elif self.cfg.model.init_from:
+            log.info("model.init_from=%s is not read: the run resumes from its own checkpoint", self.cfg.model.init_from)
         self.clock.mark("checkpoint")
         self.wandb.start(self.state.restarts)
         self.log_start()
@@ -158,6 +165,8 @@ class Trainer:
                     loss = self.report(loss_t, grad_norm)
                 if train.eval_every and step % train.eval_every == 0:
                     self.evaluate()
+                if train.sample_every and step % train.sample_every == 0:
+                    self.sample()
                 stopping = self.stop.agreed(self.device)
                 planned = step == train.stop_at_step
                 if stopping or planned or (train.ckpt_every and (step % train.ckpt_every == 0 or step == train.steps)):
@@ -280,6 +289,24 @@ class Trainer:
             log.info("step %d | eval loss %.4f", self.state.step, eval_loss)
         self.progress.write({"step": self.state.step, "eval_loss": eval_loss})
 
+    @torch.no_grad()
+    def sample(self) -> None:
+        """Continuations of train.sample_prompts, for the log, metrics.jsonl and W&B.
+
+        Every rank runs the (sharded) forwards alike; rank 0 reports what it drew. Compiled blocks run
+        eagerly here: generation's shapes change with every token.
+        """
+        self.model.eval()
+        with torch.compiler.set_stance("force_eager"):
+            samples = [{"prompt": prompt, "text": continue_text(self.model, self.tokenizer, prompt,
+                                                                 self.cfg.train.sampling, self.device)}
+                       for prompt in self.cfg.train.sample_prompts]
+        self.model.train()
+        if self.env.is_main:
+            for sample in samples:
+                log.info("step %d | sample | %s", self.state.step, json.dumps(sample["prompt"] + sample["text"]))
+        self.progress.write({"step": self.state.step, "samples": samples})
+
     def summary(self, loss: float, last_checkpoint: Path | None, stopped: bool) -> dict[str, Any]:
         self.skips.settle()
         self.checkpoint_done(self.collect_checkpoint(wait=True))
@@ -321,6 +348,15 @@ class Trainer:
         if damaged:
             log.warning("starting from step 0 (train.start_from_scratch=true): every checkpoint was damaged")
         return None
+
+    def start_from_weights(self) -> None:
+        """A fresh run with model.init_from: those weights instead of random ones (the optimizer starts new)."""
+        if self.cfg.model.init_from is None:
+            return
+        started = time.perf_counter()
+        hf_weights.load(self.model, self.cfg.model, Path(self.cfg.model.init_from))
+        log.info("started from the weights of %s (read in %.1f s)", self.cfg.model.init_from,
+                 time.perf_counter() - started)
 
     def load(self, path: Path) -> None:
         started = time.perf_counter()

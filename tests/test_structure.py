@@ -29,7 +29,8 @@ CORE = {"pretrain", "pretrain.config", "pretrain.compose", "pretrain.rundir", "p
 # The entry points (`python -m pretrain.X`): each only hands over to its wing.
 ENTRIES = {"pretrain.launch": "pretrain.launcher", "pretrain.plan": "pretrain.launcher",
            "pretrain.status": "pretrain.launcher", "pretrain.sync": "pretrain.tracking",
-           "pretrain.report": "pretrain.tracking", "pretrain.train": "pretrain.trainer"}
+           "pretrain.report": "pretrain.tracking", "pretrain.train": "pretrain.trainer",
+           "pretrain.data.prepare": "pretrain.launcher"}
 JOB_SIDE = ("pretrain.trainer", "pretrain.parallel", "pretrain.models")
 
 

@@ -2,6 +2,7 @@
 
 `data.path=null` means the built-in corpus, prepared into RUN_DIR/data/builtin by the job's rank 0
 when it is not there yet (it takes a second), so a run directory holds everything its run used.
+`data.mix` names several prepared datasets, sampled by weight (pretrain.data.mixture).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from pretrain.config import Config
 from pretrain.data.builtin import ensure_builtin_dataset
 from pretrain.data.dataset import SyntheticDataset, TokenDataset
 from pretrain.data.errors import DataError
-from pretrain.data.tokenizer import ByteTokenizer
+from pretrain.data.mixture import MixtureDataset, check_compatible
 from pretrain.data.sampling import rank_indices
+from pretrain.data.tokenizer import ByteTokenizer
 
-__all__ = ["data_dir", "ensure", "check", "open_train", "open_val", "rank_indices", "DataError"]
+__all__ = ["data_dir", "data_paths", "ensure", "check", "open_train", "open_val", "rank_indices", "DataError"]
 
 
 def data_dir(cfg: Config) -> Path:
@@ -24,9 +26,16 @@ def data_dir(cfg: Config) -> Path:
     return Path(cfg.run_dir) / "data" / "builtin"
 
 
+def data_paths(cfg: Config) -> list[Path]:
+    """The prepared datasets the run reads that live outside its run directory (for container binds)."""
+    if cfg.data.mix:
+        return [Path(source.path).expanduser() for _, source in sorted(cfg.data.mix.items())]
+    return [Path(cfg.data.path).expanduser()] if cfg.data.path is not None else []
+
+
 def ensure(cfg: Config) -> None:
     """Prepare the built-in corpus when the run uses it (call from one process only)."""
-    if cfg.data.path is None and not cfg.data.synthetic:
+    if cfg.data.path is None and not cfg.data.mix and not cfg.data.synthetic:
         ensure_builtin_dataset(data_dir(cfg))
 
 
@@ -34,29 +43,51 @@ def check(cfg: Config) -> None:
     """Raise DataError (one line) if the data cannot feed this model at this sequence length."""
     if cfg.data.synthetic:
         return
-    if cfg.data.path is None:
+    if cfg.data.path is None and not cfg.data.mix:
         needed = ByteTokenizer().vocab_size
         if cfg.model.vocab_size < needed:
             raise DataError(f"the built-in corpus is tokenized into {needed} byte-level ids, but model.vocab_size="
                             f"{cfg.model.vocab_size}; use model.vocab_size={needed} or more, or data.path=DIR")
         return
     for split in ("train", "val"):
-        dataset = TokenDataset(data_dir(cfg), split)
-        if split == "train" or dataset.num_tokens > 0:
-            dataset.check(cfg.train.seq_len, cfg.model.vocab_size)
+        datasets = _open(cfg, split)
+        for dataset in datasets.values():
+            if split == "train" or dataset.num_tokens > 0:
+                dataset.check(cfg.train.seq_len, cfg.model.vocab_size)
+        if len(datasets) > 1:
+            check_compatible(datasets)
+    if cfg.data.mix:
+        open_train(cfg)  # the weights as whole samples of a block
 
 
 def open_train(cfg: Config):
     if cfg.data.synthetic:
         return SyntheticDataset(cfg.model.vocab_size, cfg.train.seed)
+    if cfg.data.mix:
+        return MixtureDataset(_open(cfg, "train"), {name: source.weight for name, source in cfg.data.mix.items()})
     return TokenDataset(data_dir(cfg), "train")
 
 
-def open_val(cfg: Config):
-    """The validation split, or None when there is none long enough (or the data is synthetic)."""
+def open_val(cfg: Config) -> dict[str, TokenDataset]:
+    """The validation splits long enough for one sequence: {"": split} for one dataset, {NAME: split} per
+    source of a mixture; {} when there is none (or the data is synthetic)."""
     if cfg.data.synthetic:
-        return None
-    dataset = TokenDataset(data_dir(cfg), "val")
-    if dataset.num_tokens <= cfg.train.seq_len:
-        return None
-    return dataset
+        return {}
+    splits = _open(cfg, "val")
+    if not cfg.data.mix:
+        splits = {"": splits[str(data_dir(cfg))]}
+    return {name: split for name, split in splits.items() if split.num_tokens > cfg.train.seq_len}
+
+
+def _open(cfg: Config, split: str) -> dict[str, TokenDataset]:
+    """One split of every dataset the run reads, by mixture name (by path for a single dataset)."""
+    if cfg.data.mix:
+        return {name: _opened(name, source.path, split) for name, source in sorted(cfg.data.mix.items())}
+    return {str(data_dir(cfg)): TokenDataset(data_dir(cfg), split)}
+
+
+def _opened(name: str, path: str, split: str) -> TokenDataset:
+    try:
+        return TokenDataset(Path(path).expanduser(), split)
+    except DataError as error:
+        raise DataError(f"data.mix.{name}: {error}") from None

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from pretrain.config import Config, ConfigError
+from pretrain.data.source import data_paths
 
 RUNTIMES = ("apptainer", "singularity")
 
@@ -34,11 +35,9 @@ def runtime(cfg: Config) -> str:
 
 
 def extra_binds(cfg: Config) -> list[str]:
-    """Bind mounts besides the run directories: the data and container.binds."""
-    binds = []
-    if cfg.data.path is not None:
-        binds.append(str(Path(cfg.data.path).expanduser().resolve()))
-    return binds + list(cfg.cluster.container.binds)
+    """Bind mounts besides the run directories: the data (data.path, or every source of data.mix) and
+    container.binds."""
+    return [str(path.resolve()) for path in data_paths(cfg)] + list(cfg.cluster.container.binds)
 
 
 def exec_prefix(cfg: Config, run_root: str) -> str:
@@ -70,7 +69,7 @@ def check(cfg: Config) -> list[str]:
         source = Path(bind.split(":", 1)[0]).expanduser()
         if not source.exists():
             raise ConfigError(f"container bind source {source} does not exist (from cluster.container.binds "
-                              "or data.path)")
+                              "or the data)")
     if shutil.which(runtime(cfg)) is None:
         raise ConfigError(f"cluster.container.runtime={runtime(cfg)} is not on PATH: load its module, or set "
                           "cluster.container.runtime=auto")

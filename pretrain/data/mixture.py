@@ -80,10 +80,6 @@ class MixtureDataset:
             windows.append(self.sources[source].window(own, seq_len, seed))
         return split_inputs_targets(np.stack(windows))
 
-    def check(self, seq_len: int, model_vocab_size: int) -> None:
-        for source in self.sources:
-            source.check(seq_len, model_vocab_size)
-
 
 def check_compatible(sources: dict[str, TokenDataset]) -> None:
     """Every source tokenized alike: the same tokenizer file (by content), vocabulary and EOS id."""
@@ -94,9 +90,11 @@ def check_compatible(sources: dict[str, TokenDataset]) -> None:
         for what, key in (("tokenizer", _tokenizer_of), ("vocab_size", lambda d: d.vocab_size),
                           ("EOS id", lambda d: d.eos_id)):
             if key(first) != key(other):
-                raise DataError(f"data.mix: {names[0]} and {name} differ in their {what} ({key(first)} vs "
-                                f"{key(other)}); prepare every source of a mixture with the same --tokenizer and --eos")
+                shown = [d.meta.get("tokenizer") if what == "tokenizer" else key(d) for d in (first, other)]
+                raise DataError(f"data.mix: {names[0]} and {name} differ in their {what} ({shown[0]} vs "
+                                f"{shown[1]}); prepare every source of a mixture with the same --tokenizer and --eos")
 
 
 def _tokenizer_of(dataset: TokenDataset) -> str:
+    """The tokenizer file's sha256 (its name for the byte tokenizer and datasets of format 1)."""
     return dataset.meta.get("tokenizer_sha256") or str(dataset.meta.get("tokenizer"))

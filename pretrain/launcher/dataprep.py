@@ -34,6 +34,7 @@ from pretrain.data import build
 from pretrain.data.errors import DataError
 from pretrain.data.layout import read_index
 from pretrain.data.progress import Progress
+from pretrain.data.tokenizer import BYTE
 from pretrain.launcher import slurm, submitit_script, validate
 
 # A Hydra override, e.g. +cluster=a100x8 or cluster.cpus_per_task=32 (a path that exists is an input).
@@ -46,7 +47,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pretrain.data.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, folders or globs to read")
     parser.add_argument("--out", required=True, type=Path, help="dataset folder to write")
-    parser.add_argument("--tokenizer", default=build.BYTE, help="'byte' or a tokenizer JSON file (default: byte)")
+    parser.add_argument("--tokenizer", default=BYTE, help="'byte' or a tokenizer JSON file (default: byte)")
     parser.add_argument("--eos", help="the token that ends a document (default: the tokenizer's own), or 'none'")
     parser.add_argument("--text-field", default=build.DEFAULT_TEXT_FIELD,
                         help=f"jsonl key or parquet/arrow column of the text (default: {build.DEFAULT_TEXT_FIELD})")
@@ -181,7 +182,7 @@ def with_input_binds(cfg: Config, plan: build.Plan) -> Config:
         return cfg
     cfg = copy.deepcopy(cfg)
     paths = {str(Path(part["path"]).resolve().parent) for piece in plan.pieces for part in piece}
-    if plan.tokenizer != build.BYTE:
+    if plan.tokenizer != BYTE:
         paths.add(str(Path(plan.tokenizer).resolve().parent))
     cfg.cluster.container.binds += sorted(paths)
     return cfg

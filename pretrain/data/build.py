@@ -92,12 +92,12 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def prepare(inputs_: Sequence[str | Path], out: str | Path, tokenizer: str = BYTE,
+def prepare(paths: Sequence[str | Path], out: str | Path, tokenizer: str = BYTE,
             val_fraction: float = DEFAULT_VAL_FRACTION, *, eos: str | None = None,
             text_field: str = DEFAULT_TEXT_FIELD, workers: int | None = 1, shard_mb: float = DEFAULT_SHARD_MB,
             append: bool = False) -> Path:
-    """Tokenize `inputs_` (files, folders, globs) into the dataset folder `out`, here; workers None: one per core."""
-    plan = make_plan(inputs_, out, tokenizer, val_fraction, eos=eos, text_field=text_field, shard_mb=shard_mb,
+    """Tokenize `paths` (files, folders, globs) into the dataset folder `out`, here; workers None: one per core."""
+    plan = make_plan(paths, out, tokenizer, val_fraction, eos=eos, text_field=text_field, shard_mb=shard_mb,
                      append=append, workers=workers)
     run_here(plan)
     return Path(out)
@@ -118,7 +118,7 @@ def run_here(plan: Plan) -> Progress:
     return progress
 
 
-def make_plan(inputs_: Sequence[str | Path], out: str | Path, tokenizer: str, val_fraction: float, *,
+def make_plan(paths: Sequence[str | Path], out: str | Path, tokenizer: str, val_fraction: float, *,
               eos: str | None, text_field: str, shard_mb: float, append: bool, workers: int | None) -> Plan:
     """Check everything that can be checked before writing, and cut the inputs into the new shards."""
     out = Path(out)
@@ -133,10 +133,10 @@ def make_plan(inputs_: Sequence[str | Path], out: str | Path, tokenizer: str, va
                         f"end, or if it has ended without cleaning up, remove {out / PLAN_DIR}")
     loaded = load_tokenizer(tokenizer, eos)
     previous = _previous_index(out, loaded, append)
-    files = inputs.find_input_files(inputs_)
-    pieces = inputs.plan_pieces(files, max(int(shard_mb * 1e6), 1))
+    files = inputs.find_input_files(paths)
+    pieces = [inputs.piece_to_json(p) for p in inputs.plan_pieces(files, max(int(shard_mb * 1e6), 1))]
     return Plan(out=str(out), tokenizer=tokenizer, eos=eos, text_field=text_field, val_fraction=val_fraction,
-                append=append, first_number=next_number(previous), pieces=[inputs.piece_to_json(p) for p in pieces], workers=workers)
+                append=append, first_number=next_number(previous), pieces=pieces, workers=workers)
 
 
 def next_number(index: dict[str, Any]) -> int:
@@ -342,8 +342,8 @@ def write_dataset(documents: Iterable[str], out: str | Path, tokenizer: str, val
     begin(plan)
     try:
         loaded = load_tokenizer(tokenizer)
-        write_shard(out, plan.first_number, ((text, 0) for text in documents), [source], loaded, token_dtype(loaded.vocab_size),
-                    lambda *counts: None)
+        write_shard(out, plan.first_number, ((text, 0) for text in documents), [source], loaded,
+                    token_dtype(loaded.vocab_size), lambda *counts: None)
         finish(plan)
     except BaseException:
         abandon(plan)

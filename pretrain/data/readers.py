@@ -126,7 +126,8 @@ def _parquet_texts(part: Part, text_field: str) -> Iterator[tuple[str, int]]:
     first_row = sum(metadata.row_group(i).num_rows for i in range(part.start))
     rows = sum(metadata.row_group(i).num_rows for i in groups) or 1
     batches = parquet.iter_batches(batch_size=ROWS_PER_BATCH, row_groups=groups, columns=[text_field])
-    yield from _column_texts(part, _guarded(part, batches), text_field, first_row, lambda read: part.size * read // rows)
+    yield from _column_texts(part, _guarded(part, batches), text_field, first_row,
+                             lambda read: part.size * read // rows)
 
 
 def _arrow_texts(part: Part, text_field: str) -> Iterator[tuple[str, int]]:

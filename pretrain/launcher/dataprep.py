@@ -57,7 +57,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--shard-mb", type=float, default=build.DEFAULT_SHARD_MB,
                         help=f"input MB per shard (default: {build.DEFAULT_SHARD_MB})")
     parser.add_argument("--append", action="store_true", help="add the input to the dataset at --out")
-    parser.add_argument("--tasks", type=int, help="with +cluster: tasks of the job array (default: shards / CPUs per task)")
+    parser.add_argument("--tasks", type=int,
+                        help="with +cluster: tasks of the job array (default: shards / CPUs per task)")
     args = parser.parse_intermixed_args(list(argv))
     overrides = [word for word in args.inputs if OVERRIDE.fullmatch(word) and not Path(word).exists()]
     args.inputs = [word for word in args.inputs if word not in overrides]

@@ -136,7 +136,8 @@ def write(documents: list[str]) -> None:
         pq.write_table(pa.table({"text": chunk}), CORPUS / "parquet" / f"part-{number:02d}.parquet",
                        row_group_size=2048)
         lines = "".join(json.dumps({"text": text}) + "\n" for text in chunk).encode("utf-8", errors="replace")
-        (CORPUS / "jsonl.zst" / f"part-{number:02d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(lines))
+        compressed = zstandard.ZstdCompressor(level=3).compress(lines)
+        (CORPUS / "jsonl.zst" / f"part-{number:02d}.jsonl.zst").write_bytes(compressed)
 
 
 if __name__ == "__main__":

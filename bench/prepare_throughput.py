@@ -153,7 +153,12 @@ def main() -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--name", default="prepare-throughput")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every measurement; the best counts")
+    parser.add_argument("--table", action="store_true", help="only write NAME.md again from NAME.json")
     args = parser.parse_args()
+    results = BENCH / "results"
+    if args.table:
+        (results / f"{args.name}.md").write_text(table(json.loads((results / f"{args.name}.json").read_text())))
+        return 0
     if not (CORPUS / "parquet").is_dir():
         print("no corpus: run python bench/prepare_corpus.py first", file=sys.stderr)
         return 1
@@ -166,17 +171,18 @@ def main() -> int:
     with open(plain, "wb") as sink:
         for path in sorted((CORPUS / "jsonl.zst").glob("*.jsonl.zst")):
             sink.write(zstandard.ZstdDecompressor().decompress(path.read_bytes(), max_output_size=1 << 31))
-    record = {"machine": f"{platform.node()}, {os.cpu_count()} CPUs ({_cpu_model()}), Python {platform.python_version()}",
+    machine = f"{platform.node()}, {os.cpu_count()} CPUs ({_cpu_model()}), Python {platform.python_version()}"
+    record = {"machine": machine,
               "date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(), "corpus": json.loads(
                   (CORPUS / "manifest.json").read_text()), "tokenizer": "byte-level BPE, 32,768 tokens, trained on "
               "the corpus's first 20 MB", "uptime_before": uptime(), "rounds": []}
     for _ in range(args.repeats):  # the machine is shared: every round measures everything, the best counts
-        record["rounds"].append({"uptime": uptime(), "runs": {str(w): measure(w, plain, scratch) for w in args.workers}})
+        runs = {str(workers): measure(workers, plain, scratch) for workers in args.workers}
+        record["rounds"].append({"uptime": uptime(), "runs": runs})
         print(json.dumps(record["rounds"][-1], indent=1), flush=True)
     record["runs"] = best_of(record["rounds"])
     record["uptime_after"] = uptime()
     shutil.rmtree(scratch, ignore_errors=True)
-    results = BENCH / "results"
     (results / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
     (results / f"{args.name}.md").write_text(table(record))
     print(table(record))
@@ -222,12 +228,23 @@ def table(record: dict) -> str:
              "| Megatron-style (emulated) | prepare, byte tokenizer |", "|---|---|---|---|---|---|---|"]
     for workers, runs in record["runs"].items():
         ceiling = runs["ceiling"]
-        cells = [f"{ceiling['encode_batch']['tokens_per_s']:,.0f}", f"{ceiling['encode_batch_fast']['tokens_per_s']:,.0f}"]
+        cells = [f"{ceiling[method]['tokens_per_s']:,.0f}" for method in ("encode_batch", "encode_batch_fast")]
         cells += [f"{runs[n]['tokens_per_s']:,.0f} ({runs[n]['of_ceiling']:.0%})"
                   for n in ("prepare_parquet", "prepare_jsonl_zst", "megatron_emulated")]
         cells.append(f"{runs['prepare_byte_parquet']['tokens_per_s']:,.0f}")
         lines.append(f"| {workers} | " + " | ".join(cells) + " |")
-    lines += ["", "Percentages: of the faster of the two ceilings with the same number of threads."]
+    lines += ["", "Percentages: of the faster of the two ceilings with the same number of threads.", "",
+              "Each round (tokens/s; the ceiling is encode_batch_fast, prepare's share of that round's ceiling):", "",
+              "| round, load at its start | workers | ceiling | prepare, parquet | prepare, jsonl.zst "
+              "| Megatron-style |",
+              "|---|---|---|---|---|---|"]
+    for number, round_ in enumerate(record["rounds"], start=1):
+        for workers, runs in round_["runs"].items():
+            ceiling = _rate(runs["ceiling"])
+            cells = [f"{runs[n]['tokens_per_s']:,.0f} ({runs[n]['tokens_per_s'] / ceiling:.0%})"
+                     for n in ("prepare_parquet", "prepare_jsonl_zst", "megatron_emulated")]
+            load = round_["uptime"].split("load average: ")[1]
+            lines.append(f"| {number}, {load} | {workers} | {ceiling:,.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

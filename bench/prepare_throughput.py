@@ -8,8 +8,8 @@ For each number of workers N, in this order and each in a fresh process:
             counts) of the same documents, already in memory, with N threads (RAYON_NUM_THREADS=N): no
             reading, no writing; only the time inside the encode calls is counted
   prepare   the command, wall clock from start to exit, on the parquet files and on the .jsonl.zst files
-  megatron  Megatron-LM's tools/preprocess_data.py approach, emulated (it is not a package: the tool is
-            not on PyPI): a multiprocessing.Pool of N workers, each json.loads one line of a plain jsonl
+  megatron  Megatron-LM's tools/preprocess_data.py approach, emulated (the tool is not in the megatron-core
+            wheel on PyPI): a multiprocessing.Pool of N workers, each json.loads one line of a plain jsonl
             and encodes that one document (tokenizer.encode, no batching), imap with chunksize 25, the main
             process appending each document's ids and EOS to a .bin and its length to an index
 and the byte-level tokenizer's prepare. The tokenizer is a 32,768-token byte-level BPE trained on the
@@ -178,7 +178,7 @@ def main() -> int:
               "the corpus's first 20 MB", "uptime_before": uptime(), "rounds": []}
     for _ in range(args.repeats):  # the machine is shared: every round measures everything, the best counts
         runs = {str(workers): measure(workers, plain, scratch) for workers in args.workers}
-        record["rounds"].append({"uptime": uptime(), "runs": runs})
+        record["rounds"].append({"uptime": uptime(), "runs": runs})  # uptime: the load as the round ended
         print(json.dumps(record["rounds"][-1], indent=1), flush=True)
     record["runs"] = best_of(record["rounds"])
     record["uptime_after"] = uptime()
@@ -222,7 +222,7 @@ def table(record: dict) -> str:
              f"Corpus: {corpus['documents']:,} documents, {corpus['text_bytes'] / 1e6:,.1f} MB of text from the "
              f"documentation of {len(corpus['packages'])} Debian packages ({', '.join(corpus['packages'])}); "
              f"tokenizer: {record['tokenizer']}. Tokens/s, wall clock of the whole command for prepare; the best of "
-             f"{len(record['rounds'])} rounds (loads at their starts: "
+             f"{len(record['rounds'])} rounds (loads at their ends: "
              f"{'; '.join(r['uptime'].split('load average: ')[1] for r in record['rounds'])}).", "",
              "| workers | ceiling: encode_batch | encode_batch_fast | prepare, parquet | prepare, jsonl.zst "
              "| Megatron-style (emulated) | prepare, byte tokenizer |", "|---|---|---|---|---|---|---|"]
@@ -235,7 +235,7 @@ def table(record: dict) -> str:
         lines.append(f"| {workers} | " + " | ".join(cells) + " |")
     lines += ["", "Percentages: of the faster of the two ceilings with the same number of threads.", "",
               "Each round (tokens/s; the ceiling is encode_batch_fast, prepare's share of that round's ceiling):", "",
-              "| round, load at its start | workers | ceiling | prepare, parquet | prepare, jsonl.zst "
+              "| round, load at its end | workers | ceiling | prepare, parquet | prepare, jsonl.zst "
               "| Megatron-style |",
               "|---|---|---|---|---|---|"]
     for number, round_ in enumerate(record["rounds"], start=1):

@@ -26,7 +26,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pretrain import compose
 from pretrain.config import Config, ConfigError
@@ -109,13 +109,16 @@ class ShardTask:
         self.out, self.task, self.tasks = out, task, tasks
 
     def __call__(self) -> str:
+        return _run_or_exit(self.write)
+
+    def write(self) -> str:
         plan = build.Plan.load(self.out)
         numbers = task_numbers(plan.numbers, self.task, self.tasks)
         progress = Progress(sum(part["size"] for n in numbers for part in plan.pieces[n - plan.first_number]))
         workers = plan.workers or build.available_cores()
-        _run_or_exit(lambda: build.write_shards(plan, numbers, workers, progress))
+        build.write_shards(plan, numbers, workers, progress)
         return _said(f"task {self.task}: shards {numbers.start}-{numbers.stop - 1}, {progress.tokens:,} tokens of "
-                f"{progress.documents:,} documents in {progress.elapsed:.1f} s with {workers} workers")
+                     f"{progress.documents:,} documents in {progress.elapsed:.1f} s with {workers} workers")
 
 
 class IndexTask:
@@ -125,10 +128,13 @@ class IndexTask:
         self.out = out
 
     def __call__(self) -> str:
+        return _run_or_exit(self.publish)
+
+    def publish(self) -> str:
         plan = build.Plan.load(self.out)
         try:
-            _run_or_exit(lambda: build.finish(plan))
-        except SystemExit:
+            build.finish(plan)
+        except BaseException:
             build.abandon(plan)
             raise
         counts = read_index(Path(self.out))["num_tokens"]
@@ -141,10 +147,10 @@ def _said(line: str) -> str:
     return line
 
 
-def _run_or_exit(work) -> None:
+def _run_or_exit(work: Callable[[], str]) -> str:
     """A task's work; an error ends the task with its one line on stderr, not a traceback."""
     try:
-        work()
+        return work()
     except (DataError, OSError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

@@ -71,9 +71,20 @@ class PrecisionConfig:
 
 
 @dataclass
+class MixSourceConfig:
+    # A folder written by `python -m pretrain.data.prepare`.
+    path: str = "???"
+    # Relative share of the samples (the weights of a mixture need not add up to 1 or 100).
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     # A folder written by `python -m pretrain.data.prepare`; null means the built-in corpus.
     path: Optional[str] = None
+    # Instead of path, a mixture: NAME -> {path, weight}, every source prepared with the same tokenizer,
+    # sampled by weight; the validation loss is reported per source (eval_loss/NAME). See pretrain/data/mixture.py.
+    mix: dict[str, MixSourceConfig] = field(default_factory=dict)
     # Random tokens instead of a dataset, for throughput benchmarks.
     synthetic: bool = False
 

@@ -51,6 +51,7 @@ precision:
   growth_interval: 1000
 data:
   path: null
+  mix: {}
   synthetic: false
 optim:
   lr: 0.0003

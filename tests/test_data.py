@@ -10,9 +10,9 @@ import pytest
 from pretrain.data.builtin import builtin_corpus_text, ensure_builtin_dataset
 from pretrain.data.dataset import SyntheticDataset, TokenDataset
 from pretrain.data.errors import DataError
+from pretrain.data.build import prepare
 from pretrain.data.layout import token_dtype
 from pretrain.data.prepare import main as prepare_main
-from pretrain.data.prepare import prepare
 from pretrain.data.sampling import rank_indices
 from pretrain.data.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -37,22 +37,28 @@ def expected_stream(documents: list[str]) -> np.ndarray:
 
 
 def write_raw_dataset(path: Path, train: np.ndarray, meta_overrides: dict | None = None) -> Path:
-    """A dataset written by hand, to create broken ones prepare() would never make."""
-    path.mkdir(parents=True)
-    train.tofile(path / "train.bin")
-    np.zeros(0, dtype=train.dtype).tofile(path / "val.bin")
+    """A dataset of one shard written by hand, to create broken ones prepare() would never make."""
+    (path / "shards").mkdir(parents=True)
+    train.tofile(path / "shards" / "000000.bin")
     meta = {
-        "format": 1,
+        "format": 2,
         "dtype": "uint16",
         "vocab_size": 257,
         "eos_id": 256,
         "tokenizer": "byte",
         "num_tokens": {"train": len(train), "val": 0},
-        "sources": [],
+        "shards": [{"number": 0, "tokens": len(train), "val_tokens": 0, "documents": 1, "sources": []}],
     }
     meta.update(meta_overrides or {})
-    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "index.json").write_text(json.dumps(meta))
     return path
+
+
+def stream_of(out: Path) -> np.ndarray:
+    """The token stream of a prepared dataset: its shards in index order."""
+    index = json.loads((out / "index.json").read_text())
+    dtype = np.dtype(index["dtype"])
+    return np.concatenate([np.fromfile(out / "shards" / f"{s['number']:06d}.bin", dtype=dtype) for s in index["shards"]])
 
 
 def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
@@ -89,26 +95,43 @@ def test_token_dtype_fits_vocab():
 # Preparation
 
 
-def test_prepare_writes_streamed_tokens_and_meta(corpus: Path, tmp_path: Path):
+def test_prepare_writes_streamed_tokens_and_index(corpus: Path, tmp_path: Path):
     out = prepare([corpus], tmp_path / "data", val_fraction=0.1)
 
     documents = ["Hello, world.\n", "first record", "second record", "# Título\n\nMarkdown ✓\n"]
     stream = expected_stream(documents)  # files sorted by path: a.txt, c.jsonl, sub/b.md
-    meta = json.loads((out / "meta.json").read_text())
+    index = json.loads((out / "index.json").read_text())
     num_val = round(len(stream) * 0.1)
-    assert meta == {
-        "format": 1,
+    sources = [str(corpus / "a.txt"), str(corpus / "c.jsonl"), str(corpus / "sub" / "b.md")]
+    assert index == {
+        "format": 2,
         "dtype": "uint16",
         "vocab_size": 257,
         "eos_id": 256,
         "tokenizer": "byte",
+        "tokenizer_sha256": None,
         "num_tokens": {"train": len(stream) - num_val, "val": num_val},
-        "sources": [str(corpus / "a.txt"), str(corpus / "c.jsonl"), str(corpus / "sub" / "b.md")],
+        "num_documents": 4,
+        "shards": [{"number": 0, "tokens": len(stream), "val_tokens": num_val, "documents": 4, "sources": sources}],
     }
-    train = np.fromfile(out / "train.bin", dtype=np.uint16)
-    val = np.fromfile(out / "val.bin", dtype=np.uint16)
-    np.testing.assert_array_equal(np.concatenate([train, val]), stream)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    np.testing.assert_array_equal(stream_of(out), stream)
+    train, val = TokenDataset(out, "train"), TokenDataset(out, "val")
+    np.testing.assert_array_equal(np.concatenate([train.read(0, train.num_tokens), val.read(0, val.num_tokens)]),
+                                  stream)
+    assert sorted(p.name for p in out.rglob("*")) == ["000000.bin", "000000.json", "index.json", "shards"]
+
+
+def test_format_1_datasets_are_still_read(tmp_path: Path):
+    """A dataset written before shards (train.bin, val.bin, meta.json) trains as it did."""
+    path = tmp_path / "old"
+    path.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(path / "train.bin")
+    np.arange(100, 110, dtype=np.uint16).tofile(path / "val.bin")
+    (path / "meta.json").write_text(json.dumps({"format": 1, "dtype": "uint16", "vocab_size": 257, "eos_id": 256,
+                                                "tokenizer": "byte", "num_tokens": {"train": 100, "val": 10}}))
+    assert TokenDataset(path).read(0, 100).tolist() == list(range(100))
+    assert TokenDataset(path, "val").read(0, 10).tolist() == list(range(100, 110))
+    TokenDataset(path).check(seq_len=8, model_vocab_size=257)
 
 
 def test_prepare_cli(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
@@ -123,7 +146,7 @@ def test_prepare_cli(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 def test_prepare_failing_midway_leaves_no_dataset(corpus: Path, tmp_path: Path):
     (corpus / "d.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     out = tmp_path / "data"
-    with pytest.raises(DataError, match=r'd\.jsonl:2: record has no string "text" field'):
+    with pytest.raises(DataError, match=r'd\.jsonl:2: record has no string "text" field \(keys: title\)'):
         prepare([corpus], out)
     assert not out.exists()  # a first prepare that fails leaves no folder (not even an empty one)
 
@@ -134,11 +157,11 @@ def test_prepare_failing_midway_leaves_no_dataset(corpus: Path, tmp_path: Path):
 
 def test_prepare_failure_keeps_previous_dataset(corpus: Path, tmp_path: Path):
     out = prepare([corpus], tmp_path / "data")
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     (corpus / "z.jsonl").write_text("not json\n")
     with pytest.raises(DataError, match="invalid JSON"):
         prepare([corpus], out)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_prepare_errors(tmp_path: Path):
@@ -174,9 +197,9 @@ def test_prepare_counts_a_file_reached_twice_once(corpus: Path, tmp_path: Path):
     once = prepare([corpus], tmp_path / "once")
     (corpus / "link.txt").symlink_to(corpus / "a.txt")  # the same document under a second name
     twice = prepare([corpus, corpus / "a.txt"], tmp_path / "twice")  # and given again explicitly
-    meta = [json.loads((d / "meta.json").read_text()) for d in (once, twice)]
+    meta = [json.loads((d / "index.json").read_text()) for d in (once, twice)]
     assert meta[0]["num_tokens"] == meta[1]["num_tokens"]
-    assert (once / "train.bin").read_bytes() == (twice / "train.bin").read_bytes()
+    assert np.array_equal(stream_of(once), stream_of(twice))
 
 
 # Built-in corpus
@@ -190,9 +213,9 @@ def test_builtin_corpus_is_deterministic_and_sized():
 
 def test_ensure_builtin_dataset_prepares_once(tmp_path: Path):
     out = ensure_builtin_dataset(tmp_path / "builtin")
-    meta_mtime = (out / "meta.json").stat().st_mtime_ns
+    meta_mtime = (out / "index.json").stat().st_mtime_ns
     assert ensure_builtin_dataset(out) == out
-    assert (out / "meta.json").stat().st_mtime_ns == meta_mtime
+    assert (out / "index.json").stat().st_mtime_ns == meta_mtime
     for split in ("train", "val"):
         TokenDataset(out, split).check(seq_len=1024, model_vocab_size=257)
 
@@ -276,22 +299,31 @@ def test_missing_dataset_error(tmp_path: Path):
     assert "python -m pretrain.data.prepare" in message
 
     (tmp_path / "half").mkdir()
-    with pytest.raises(DataError, match="no meta.json"):
+    with pytest.raises(DataError, match="no index.json"):
         TokenDataset(tmp_path / "half")
 
 
-def test_empty_bin_error(tmp_path: Path):
+def test_empty_dataset_error(tmp_path: Path):
     path = write_raw_dataset(tmp_path / "d", np.zeros(0, dtype=np.uint16))
     with pytest.raises(DataError) as excinfo:
-        TokenDataset(path)
-    assert "train.bin is empty" in one_line_error(excinfo)
+        TokenDataset(path).check(seq_len=8, model_vocab_size=257)
+    assert "train split has 0 tokens, shorter than one sequence" in one_line_error(excinfo)
 
 
 def test_wrong_dtype_error(tmp_path: Path):
     path = write_raw_dataset(tmp_path / "d", np.arange(100, dtype=np.uint32))  # meta says uint16
+    for failing in (lambda data: data.check(seq_len=8, model_vocab_size=257), lambda data: data.read(0, 8)):
+        with pytest.raises(DataError) as excinfo:
+            failing(TokenDataset(path))  # checked by the launcher, and by training on first reading the file
+        assert "400 bytes but index.json says 100 uint16 tokens (200 bytes)" in one_line_error(excinfo)
+
+
+def test_missing_shard_error(tmp_path: Path):
+    path = write_raw_dataset(tmp_path / "d", np.arange(100, dtype=np.uint16))
+    (path / "shards" / "000000.bin").unlink()
     with pytest.raises(DataError) as excinfo:
-        TokenDataset(path)
-    assert "400 bytes but meta.json says 100 uint16 tokens (200 bytes)" in one_line_error(excinfo)
+        TokenDataset(path).check(seq_len=8, model_vocab_size=257)
+    assert "missing" in one_line_error(excinfo) and "prepare it again" in str(excinfo.value)
 
 
 def test_shorter_than_one_sequence_error(tmp_path: Path):
@@ -339,8 +371,9 @@ def test_prepare_with_trained_bpe_tokenizer(corpus: Path, tmp_path: Path):
     data = TokenDataset(out)
     assert data.dtype == np.uint16
     assert data.vocab_size == bpe.get_vocab_size() and data.eos_id == bpe.token_to_id("<|endoftext|>")
-    assert int(data.tokens[-1]) == data.eos_id
-    assert load_tokenizer(str(tmp_path / "bpe.json")).decode(data.tokens[:-1]) == "Hello, world.\n"
+    tokens = data.read(0, data.num_tokens)
+    assert int(tokens[-1]) == data.eos_id
+    assert load_tokenizer(str(tmp_path / "bpe.json")).decode(tokens[:-1]) == "Hello, world.\n"
 
 
 def test_prepare_with_large_vocab_uses_uint32(tmp_path: Path):
@@ -354,4 +387,4 @@ def test_prepare_with_large_vocab_uses_uint32(tmp_path: Path):
     out = prepare([tmp_path / "doc.txt"], tmp_path / "data", tokenizer=str(tmp_path / "words.json"), val_fraction=0)
     data = TokenDataset(out)
     assert data.dtype == np.uint32 and data.eos_id == 1
-    assert data.tokens.tolist() == [2, 69999, 5, 1]
+    assert data.read(0, data.num_tokens).tolist() == [2, 69999, 5, 1]

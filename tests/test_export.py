@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pretrain import hf_format, rundir
-from pretrain.data.prepare import prepare
+from pretrain.data.build import prepare
 from pretrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from pretrain.hf.export import export, main
 from pretrain.hf.generate import from_folder

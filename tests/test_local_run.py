@@ -34,7 +34,7 @@ def test_default_run_learns_and_reports(tmp_path):
     record = last_step_record(run_dir)
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mem_gb"):
         assert key in record
-    for written in ("config.yaml", "train.log", "metrics.jsonl", "data/builtin/meta.json"):
+    for written in ("config.yaml", "train.log", "metrics.jsonl", "data/builtin/index.json"):
         assert (run_dir / written).is_file(), written
     assert any("eval_loss" in r for r in metrics(run_dir)) is False  # eval_every=100 > 60 steps
 

@@ -11,6 +11,7 @@ reachable from tests). A README example that stops working fails here.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -46,6 +47,18 @@ def is_slurm(command: str) -> bool:
     return "+cluster=" in command
 
 
+def write_corpus_files(data: Path, texts: list[str]) -> None:
+    """Corpora as they ship: FineWeb-style parquet files with a "text" column, a .jsonl.zst with "content"."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    zstandard = pytest.importorskip("zstandard")
+    (data / "fineweb").mkdir(parents=True)
+    for part in range(2):
+        pq.write_table(pa.table({"text": texts[part::2]}), data / "fineweb" / f"{part:03d}.parquet")
+    lines = "".join(json.dumps({"content": text}) + "\n" for text in texts)
+    (data / "code.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+
+
 @pytest.fixture
 def world(tmp_path: Path) -> dict[str, Path]:
     """The files the README's example paths stand for, under tmp_path."""
@@ -54,6 +67,7 @@ def world(tmp_path: Path) -> dict[str, Path]:
     for name in ("a.txt", "b.txt"):  # enough for a validation split of one 4096-token sequence
         (raw / name).write_text((REPO / "README.md").read_text() * 100)
     (raw / "more" / "c.md").write_text((REPO / "singularity" / "pretrain.def").read_text())
+    write_corpus_files(tmp_path / "data", [(REPO / "README.md").read_text()] * 100)
     write_tokenizer(tmp_path / "path" / "to" / "tokenizer.json", raw)
     scratch = tmp_path / "scratch" / os.environ.get("USER", "root")
     scratch.mkdir(parents=True)
@@ -93,6 +107,8 @@ def runs_of(command: str) -> list[str]:
     """What the test runs for one README line: as written (launches as dry runs), then shortened for real."""
     if command.split()[2] == "pretrain.sync":
         return [command + " --dry-run"]
+    if command.split()[2] == "pretrain.data.prepare" and is_slurm(command):
+        return [command + " dry_run=true"]  # as for a submission: every check, the batch script printed
     if not is_launch(command) or "dry_run=true" in command or "--cfg" in command:
         return [command]
     checked = command + " dry_run=true"

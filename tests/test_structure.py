@@ -30,7 +30,8 @@ CORE = {"pretrain", "pretrain.config", "pretrain.compose", "pretrain.rundir", "p
 ENTRIES = {"pretrain.launch": "pretrain.launcher", "pretrain.plan": "pretrain.launcher",
            "pretrain.status": "pretrain.launcher", "pretrain.sync": "pretrain.tracking",
            "pretrain.report": "pretrain.tracking", "pretrain.train": "pretrain.trainer",
-           "pretrain.export": "pretrain.hf", "pretrain.generate": "pretrain.hf"}
+           "pretrain.export": "pretrain.hf", "pretrain.generate": "pretrain.hf",
+           "pretrain.data.prepare": "pretrain.launcher"}
 JOB_SIDE = ("pretrain.trainer", "pretrain.parallel", "pretrain.models", "pretrain.hf")
 
 
@@ -159,7 +160,9 @@ def finished_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("command", [
     ["pretrain.launch", "--help"], ["pretrain.plan", "+cluster=a100x8", "model=llama-8b", "train=pretrain"],
     ["pretrain.launch", "+cluster=a100x8", "dry_run=true"], ["pretrain.status", "RUN"],
-    ["pretrain.report", "RUN", "--out", "REPORT"], ["pretrain.sync", "RUN", "--dry-run"]],
+    ["pretrain.report", "RUN", "--out", "REPORT"], ["pretrain.sync", "RUN", "--dry-run"],
+    ["pretrain.data.prepare", "RUN/config.yaml", "--out", "REPORT"],
+    ["pretrain.data.prepare", "RUN/config.yaml", "--out", "REPORT", "+cluster=a100x8", "dry_run=true"]],
     ids=lambda c: " ".join(c[:2]))
 def test_login_commands_load_no_torch(tmp_path, finished_run, command):
     """Started for real: the modules they load include no torch (nor wandb: only a job or an upload needs
@@ -167,7 +170,8 @@ def test_login_commands_load_no_torch(tmp_path, finished_run, command):
     program = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_module(sys.argv[0], run_name='__main__')\n"
                "except SystemExit as end:\n    assert not end.code, end.code\n"
                "print('LOADED', *sorted({m.split('.')[0] for m in sys.modules}))")
-    args = [str(finished_run) if a == "RUN" else str(tmp_path / "report") if a == "REPORT" else a for a in command]
+    args = [a.replace("RUN", str(finished_run)) if a.startswith("RUN") else str(tmp_path / "report") if a == "REPORT"
+            else a for a in command]
     if command[0] == "pretrain.launch" and "--help" not in command:
         args.append(f"hydra.run.dir={tmp_path / 'run'}")
     result = subprocess.run([sys.executable, "-c", program, *args], cwd=tmp_path, capture_output=True, text=True,

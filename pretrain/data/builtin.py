@@ -14,9 +14,9 @@ from pathlib import Path
 
 from pydoc_data.topics import topics as REFERENCE_TOPICS
 
-from pretrain.data.layout import META_FILE
-from pretrain.data.prepare import write_dataset
-from pretrain.data.tokenizer import ByteTokenizer
+from pretrain.data.build import write_dataset
+from pretrain.data.layout import INDEX_FILE
+from pretrain.data.tokenizer import BYTE
 
 # Pure-Python or always-built modules only, so the corpus does not depend on
 # optional C extensions of a particular Python build.
@@ -63,8 +63,8 @@ def ensure_builtin_dataset(out: Path) -> Path:
     would replace each other's files.
     """
     out = Path(out)
-    if not (out / META_FILE).exists():
-        write_dataset(builtin_documents(), out, ByteTokenizer(), BUILTIN_VAL_FRACTION, [BUILTIN_SOURCE])
+    if not (out / INDEX_FILE).exists():  # a run directory's corpus of format 1 is prepared again, the same tokens
+        write_dataset(builtin_documents(), out, BYTE, BUILTIN_VAL_FRACTION, BUILTIN_SOURCE)
     return out
 
 

@@ -8,29 +8,30 @@ the windows in an order fixed by ``(seed, e)``. See ``pretrain.data.sampling``
 for how sample indices are split across ranks and micro-steps.
 """
 
-import json
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from pretrain.data.errors import DataError
-from pretrain.data.layout import FORMAT_VERSION, META_FILE, SPLITS, bin_file
+from pretrain.data.layout import INDEX_FILE, SPLITS, Segment, file_tokens, read_index, segments
 from pretrain.data.sampling import rank_indices, window_permutation
 
 __all__ = ["DataError", "SyntheticDataset", "TokenDataset", "rank_indices"]
 
-TOKEN_DTYPES = ("uint16", "uint32")
 VOCAB_SAMPLE_CHUNKS = 64
 VOCAB_SAMPLE_CHUNK_TOKENS = 4096
+# Token files kept memory-mapped at once (each map holds a file descriptor).
+OPEN_FILES = 128
 
 
 class TokenDataset:
-    """One split of a prepared dataset, memory-mapped read-only.
+    """One split of a prepared dataset (pretrain.data.layout): its shards' segments read as one token
+    stream, each shard memory-mapped read-only when first needed.
 
-    Opening fails with a one-line ``DataError`` if the dataset is missing,
-    incomplete, empty or inconsistent with its ``meta.json``; ``check`` adds
-    the checks that depend on the model.
+    Opening fails with a one-line ``DataError`` if the dataset is missing, incomplete or its index is
+    broken; ``check`` adds the checks of every file and those that depend on the model.
     """
 
     def __init__(self, path: str | Path, split: str = "train"):
@@ -38,9 +39,14 @@ class TokenDataset:
         self.split = split
         if split not in SPLITS:
             raise DataError(f"split={split!r}: must be one of {', '.join(SPLITS)}")
-        self.meta = self._load_meta()
-        self.bin_path = bin_file(self.path, split)
-        self.tokens = self._open_tokens()
+        try:
+            self.meta = read_index(self.path)
+        except DataError as error:
+            raise self._error(str(error)) from None
+        self.segments = segments(self.path, self.meta, split)
+        self.file_tokens = file_tokens(self.path, self.meta)
+        self.starts = np.cumsum([0] + [segment.length for segment in self.segments])
+        self._maps: OrderedDict[Path, np.memmap] = OrderedDict()
 
     def __reduce__(self):
         # Pickle by path (e.g. for DataLoader workers), not as a copy of the tokens.
@@ -63,16 +69,22 @@ class TokenDataset:
         return np.dtype(self.meta["dtype"])
 
     def check(self, seq_len: int, model_vocab_size: int) -> None:
-        """Fail early, in one line, if this data cannot train the given model."""
+        """Fail early, in one line, if this data cannot train the given model: every file there at its size,
+        enough tokens, and no token id the model's vocabulary lacks."""
+        self.check_files()
         self.num_windows(seq_len)
         if self.vocab_size > model_vocab_size:
             raise self._error(
                 f"dataset vocab_size {self.vocab_size} (tokenizer {self.meta.get('tokenizer')}) "
                 f"exceeds model vocab_size {model_vocab_size}"
             )
-        largest = _sampled_max(self.tokens)
+        largest, where = self._sampled_max()
         if largest >= model_vocab_size:
-            raise self._error(f"{self.bin_path} contains token id {largest} >= model vocab_size {model_vocab_size}")
+            raise self._error(f"{where} contains token id {largest} >= model vocab_size {model_vocab_size}")
+
+    def check_files(self) -> None:
+        for path, tokens in self.file_tokens.items():
+            self._check_file(path, tokens)
 
     def num_windows(self, seq_len: int) -> int:
         """Samples per epoch: non-overlapping windows of ``seq_len`` inputs (+1 target)."""
@@ -94,42 +106,63 @@ class TokenDataset:
         epoch, position = divmod(index, windows)
         return int(window_permutation(windows, seed, epoch)[position]) * seq_len
 
+    def window(self, index: int, seq_len: int, seed: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of sample ``index``."""
+        return self.read(self.sample_offset(index, seq_len, seed), seq_len + 1)
+
     def get_batch(self, indices: Sequence[int], seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Inputs and next-token targets, both int64 of shape ``[len(indices), seq_len]``."""
-        offsets = [self.sample_offset(index, seq_len, seed) for index in indices]
-        windows = np.stack([self.tokens[offset : offset + seq_len + 1] for offset in offsets])
-        return _split_inputs_targets(windows)
+        return split_inputs_targets(np.stack([self.window(index, seq_len, seed) for index in indices]))
 
-    def _load_meta(self) -> dict[str, Any]:
-        meta_path = self.path / META_FILE
-        if not meta_path.is_file():
-            reason = f"no {META_FILE}" if self.path.is_dir() else "no such directory"
-            raise self._error(
-                f"no prepared dataset at {self.path} ({reason}; run "
-                f"`python -m pretrain.data.prepare INPUT... --out {self.path}`)"
-            )
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            problem = _meta_problem(meta, self.split)
-        except ValueError as error:  # includes UnicodeDecodeError
-            problem = f"not valid JSON ({error})"
-        if problem:
-            raise self._error(f"{meta_path}: {problem}")
-        return meta
+    def read(self, offset: int, length: int) -> np.ndarray:
+        """``length`` tokens of the split's stream from ``offset``, across shard boundaries."""
+        if offset < 0 or offset + length > self.num_tokens:
+            raise ValueError(f"tokens [{offset}, {offset + length}) are outside the {self.num_tokens} of the split")
+        at = int(np.searchsorted(self.starts, offset, side="right")) - 1
+        pieces = []
+        while length > 0:
+            segment = self.segments[at]
+            local = offset - int(self.starts[at])
+            take = min(length, segment.length - local)
+            pieces.append(self._tokens(segment)[segment.start + local: segment.start + local + take])
+            offset, length, at = offset + take, length - take, at + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def _open_tokens(self) -> np.ndarray:
-        if not self.bin_path.is_file():
-            raise self._error(f"missing {self.bin_path} (incomplete dataset; prepare it again)")
-        size = self.bin_path.stat().st_size
-        if size == 0:
-            raise self._error(f"{self.bin_path} is empty (0 tokens)")
-        expected = self.num_tokens * self.dtype.itemsize
+    def _tokens(self, segment: Segment) -> np.ndarray:
+        """The whole token file of a segment, mapped (and its size checked) on first use; the least recently
+        used is unmapped beyond OPEN_FILES."""
+        tokens = self._maps.get(segment.file)
+        if tokens is None:
+            count = self.file_tokens[segment.file]
+            self._check_file(segment.file, count)
+            tokens = self._maps[segment.file] = np.memmap(segment.file, dtype=self.dtype, mode="r", shape=(count,))
+            if len(self._maps) > OPEN_FILES:
+                self._maps.popitem(last=False)
+        self._maps.move_to_end(segment.file)
+        return tokens
+
+    def _check_file(self, path: Path, tokens: int) -> int:
+        """The file's size in bytes, which must be that of `tokens` tokens of the dataset's dtype."""
+        if not path.is_file():
+            raise self._error(f"missing {path} (incomplete dataset; prepare it again)")
+        size = path.stat().st_size
+        expected = tokens * self.dtype.itemsize
         if size != expected:
             raise self._error(
-                f"{self.bin_path} has {size} bytes but {META_FILE} says {self.num_tokens} "
-                f"{self.dtype.name} tokens ({expected} bytes): truncated file or wrong dtype"
+                f"{path} has {size} bytes but {INDEX_FILE} says {tokens} {self.dtype.name} tokens "
+                f"({expected} bytes): truncated file or wrong dtype"
             )
-        return np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        return size
+
+    def _sampled_max(self) -> tuple[int, Path]:
+        """The largest token id and its file, read from evenly spread chunks when the split is large."""
+        if self.num_tokens <= VOCAB_SAMPLE_CHUNKS * VOCAB_SAMPLE_CHUNK_TOKENS:
+            starts, chunk = [0], self.num_tokens
+        else:
+            chunk = VOCAB_SAMPLE_CHUNK_TOKENS
+            starts = np.linspace(0, self.num_tokens - chunk, VOCAB_SAMPLE_CHUNKS).astype(np.int64).tolist()
+        largest, start = max((int(self.read(start, chunk).max()), start) for start in starts)
+        return largest, self.segments[int(np.searchsorted(self.starts, start, side="right")) - 1].file
 
     def _error(self, problem: str) -> DataError:
         return DataError(f"data.path={self.path}: {problem}")
@@ -159,39 +192,14 @@ class SyntheticDataset:
 
     def get_batch(self, indices: Sequence[int], seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         windows = np.stack([self._sample(index, seq_len + 1, seed) for index in indices])
-        return _split_inputs_targets(windows)
+        return split_inputs_targets(windows)
 
     def _sample(self, index: int, length: int, seed: int) -> np.ndarray:
         bits = np.random.PCG64(np.random.SeedSequence([self.seed, seed, index])).random_raw(length)
         return bits % np.uint64(self.vocab_size)
 
 
-def _split_inputs_targets(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def split_inputs_targets(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inputs and next-token targets as int64 arrays (the trainer wraps them in tensors without a copy)."""
     windows = windows.astype(np.int64)
     return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
-
-
-def _meta_problem(meta: Any, split: str) -> str:
-    """What is wrong with a parsed ``meta.json``, or "" if nothing."""
-    if not isinstance(meta, dict):
-        return "not a JSON object"
-    if meta.get("format") != FORMAT_VERSION:
-        return f"format {meta.get('format')!r} is not the supported format {FORMAT_VERSION}"
-    if meta.get("dtype") not in TOKEN_DTYPES:
-        return f"dtype {meta.get('dtype')!r} is not one of {', '.join(TOKEN_DTYPES)}"
-    if not isinstance(meta.get("vocab_size"), int):
-        return "missing integer vocab_size"
-    counts = meta.get("num_tokens")
-    if not isinstance(counts, dict) or not isinstance(counts.get(split), int):
-        return f"missing integer num_tokens.{split}"
-    return ""
-
-
-def _sampled_max(tokens: np.ndarray) -> int:
-    """Largest token id, read from evenly spread chunks when the file is large."""
-    budget = VOCAB_SAMPLE_CHUNKS * VOCAB_SAMPLE_CHUNK_TOKENS
-    if len(tokens) <= budget:
-        return int(tokens.max())
-    starts = np.linspace(0, len(tokens) - VOCAB_SAMPLE_CHUNK_TOKENS, VOCAB_SAMPLE_CHUNKS).astype(np.int64)
-    return max(int(tokens[start : start + VOCAB_SAMPLE_CHUNK_TOKENS].max()) for start in starts)

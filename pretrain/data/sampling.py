@@ -48,7 +48,8 @@ def rank_indices(
     return list(range(start, start + micro_batch))
 
 
-@lru_cache(maxsize=4)
+# Enough for the train and validation splits of every source of a mixture, across an epoch boundary.
+@lru_cache(maxsize=32)
 def window_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
     """A random order of ``num_windows`` windows, fixed by ``(seed, epoch)``.
 

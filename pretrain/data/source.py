@@ -2,23 +2,24 @@
 
 `data.path=null` means the built-in corpus, prepared into RUN_DIR/data/builtin by the job's rank 0
 when it is not there yet (it takes a second), so a run directory holds everything its run used.
+`data.mix` names several prepared datasets, sampled by weight (pretrain.data.mixture).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pretrain.config import Config
 from pretrain.data.builtin import ensure_builtin_dataset
 from pretrain.data.dataset import SyntheticDataset, TokenDataset
 from pretrain.data.errors import DataError
-from pretrain.data.layout import META_FILE, TOKENIZER_FILE
-from pretrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from pretrain.data.layout import TOKENIZER_FILE, read_index, tokenizer_copy
+from pretrain.data.mixture import MixtureDataset, check_compatible
 from pretrain.data.sampling import rank_indices
+from pretrain.data.tokenizer import BYTE, NO_EOS, ByteTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["data_dir", "ensure", "check", "open_train", "open_val", "tokenizer_spec", "tokenizer", "rank_indices",
-           "DataError"]
+__all__ = ["data_dir", "data_paths", "ensure", "check", "open_train", "open_val", "tokenizer_spec", "tokenizer",
+           "rank_indices", "DataError"]
 
 
 def data_dir(cfg: Config) -> Path:
@@ -27,9 +28,16 @@ def data_dir(cfg: Config) -> Path:
     return Path(cfg.run_dir) / "data" / "builtin"
 
 
+def data_paths(cfg: Config) -> list[Path]:
+    """The prepared datasets the run reads that live outside its run directory (for container binds)."""
+    if cfg.data.mix:
+        return [Path(source.path).expanduser() for _, source in sorted(cfg.data.mix.items())]
+    return [Path(cfg.data.path).expanduser()] if cfg.data.path is not None else []
+
+
 def ensure(cfg: Config) -> None:
     """Prepare the built-in corpus when the run uses it (call from one process only)."""
-    if cfg.data.path is None and not cfg.data.synthetic:
+    if cfg.data.path is None and not cfg.data.mix and not cfg.data.synthetic:
         ensure_builtin_dataset(data_dir(cfg))
 
 
@@ -45,16 +53,21 @@ def check(cfg: Config) -> None:
 
 def check_data(cfg: Config) -> None:
     """The data's vocabulary within the model's, and enough tokens for a sequence."""
-    if cfg.data.path is None:
+    if cfg.data.path is None and not cfg.data.mix:
         needed = ByteTokenizer().vocab_size
         if cfg.model.vocab_size < needed:
             raise DataError(f"the built-in corpus is tokenized into {needed} byte-level ids, but model.vocab_size="
                             f"{cfg.model.vocab_size}; use model.vocab_size={needed} or more, or data.path=DIR")
         return
     for split in ("train", "val"):
-        dataset = TokenDataset(data_dir(cfg), split)
-        if split == "train" or dataset.num_tokens > 0:
-            dataset.check(cfg.train.seq_len, cfg.model.vocab_size)
+        datasets = _open(cfg, split)
+        for dataset in datasets.values():
+            if split == "train" or dataset.num_tokens > 0:
+                dataset.check(cfg.train.seq_len, cfg.model.vocab_size)
+        if len(datasets) > 1:
+            check_compatible(datasets)
+    if cfg.data.mix:
+        open_train(cfg)  # the weights as whole samples of a block
 
 
 def check_prompts(cfg: Config) -> None:
@@ -69,41 +82,69 @@ def check_prompts(cfg: Config) -> None:
                             f"{cfg.model.max_seq_len}: shorten it or ask for fewer tokens")
 
 
-def open_train(cfg: Config):
-    if cfg.data.synthetic:
-        return SyntheticDataset(cfg.model.vocab_size, cfg.train.seed)
-    return TokenDataset(data_dir(cfg), "train")
-
-
-def open_val(cfg: Config):
-    """The validation split, or None when there is none long enough (or the data is synthetic)."""
+def _tokenized_by(cfg: Config) -> tuple[Path, dict] | None:
+    """The dataset whose tokenizer the run's data uses (a mixture's sources share one) and its index."""
     if cfg.data.synthetic:
         return None
-    dataset = TokenDataset(data_dir(cfg), "val")
-    if dataset.num_tokens <= cfg.train.seq_len:
-        return None
-    return dataset
+    folder = data_paths(cfg)[0] if data_paths(cfg) else data_dir(cfg)
+    return (folder, read_index(folder)) if (cfg.data.path or cfg.data.mix) else (folder, {"tokenizer": BYTE})
 
 
 def tokenizer_spec(cfg: Config) -> str | None:
     """What the run's data was tokenized with: "byte", the path of a tokenizer JSON file (the dataset's
     copy; for data prepared before datasets kept one, the file it was made with), or None (synthetic)."""
-    if cfg.data.synthetic:
+    found = _tokenized_by(cfg)
+    if found is None:
         return None
-    if cfg.data.path is None:
-        return "byte"
-    folder = data_dir(cfg)
-    try:
-        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise DataError(f"data.path={folder}: cannot read its {META_FILE} ({error}), which names the tokenizer") \
-            from None
-    if meta.get("tokenizer") == "byte":
-        return "byte"
-    return str(folder / TOKENIZER_FILE) if (folder / TOKENIZER_FILE).is_file() else meta.get("tokenizer")
+    folder, index = found
+    if index.get("tokenizer", BYTE) == BYTE:
+        return BYTE
+    copy = tokenizer_copy(folder, index["tokenizer_sha256"]) / TOKENIZER_FILE if index.get("tokenizer_sha256") else None
+    return str(copy) if copy is not None and copy.is_file() else index["tokenizer"]
 
 
 def tokenizer(cfg: Config) -> Tokenizer | None:
-    """The tokenizer of the run's data, or None for synthetic data."""
+    """The tokenizer of the run's data, with the end-of-document id it was prepared with; None for
+    synthetic data."""
     spec = tokenizer_spec(cfg)
-    return None if spec is None else load_tokenizer(spec)
+    if spec is None:
+        return None
+    eos_id = _tokenized_by(cfg)[1].get("eos_id", ByteTokenizer().eos_id)
+    if spec == BYTE:
+        return ByteTokenizer(eos=eos_id is not None)
+    loaded = HFTokenizer(spec, eos=NO_EOS)
+    loaded.use_eos(eos_id)
+    return loaded
+
+
+def open_train(cfg: Config):
+    if cfg.data.synthetic:
+        return SyntheticDataset(cfg.model.vocab_size, cfg.train.seed)
+    if cfg.data.mix:
+        return MixtureDataset(_open(cfg, "train"), {name: source.weight for name, source in cfg.data.mix.items()})
+    return TokenDataset(data_dir(cfg), "train")
+
+
+def open_val(cfg: Config) -> dict[str, TokenDataset]:
+    """The validation splits long enough for one sequence: {"": split} for one dataset, {NAME: split} per
+    source of a mixture; {} when there is none (or the data is synthetic)."""
+    if cfg.data.synthetic:
+        return {}
+    splits = _open(cfg, "val")
+    if not cfg.data.mix:
+        splits = {"": splits[str(data_dir(cfg))]}
+    return {name: split for name, split in splits.items() if split.num_tokens > cfg.train.seq_len}
+
+
+def _open(cfg: Config, split: str) -> dict[str, TokenDataset]:
+    """One split of every dataset the run reads, by mixture name (by path for a single dataset)."""
+    if cfg.data.mix:
+        return {name: _opened(name, source.path, split) for name, source in sorted(cfg.data.mix.items())}
+    return {str(data_dir(cfg)): TokenDataset(data_dir(cfg), split)}
+
+
+def _opened(name: str, path: str, split: str) -> TokenDataset:
+    try:
+        return TokenDataset(Path(path).expanduser(), split)
+    except DataError as error:
+        raise DataError(f"data.mix.{name}: {error}") from None

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from pretrain.config import Config, ConfigError
+from pretrain.data.source import data_paths
 
 RUNTIMES = ("apptainer", "singularity")
 
@@ -34,9 +35,10 @@ def runtime(cfg: Config) -> str:
 
 
 def extra_binds(cfg: Config) -> list[str]:
-    """Bind mounts besides the run directories: the data, the weights of model.init_from and container.binds."""
-    binds = [str(Path(path).expanduser().resolve()) for path in (cfg.data.path, cfg.model.init_from) if path is not None]
-    return binds + list(cfg.cluster.container.binds)
+    """Bind mounts besides the run directories: the data (data.path, or every source of data.mix), the
+    weights of model.init_from, and container.binds."""
+    weights = [Path(cfg.model.init_from).expanduser()] if cfg.model.init_from is not None else []
+    return [str(path.resolve()) for path in [*data_paths(cfg), *weights]] + list(cfg.cluster.container.binds)
 
 
 def exec_prefix(cfg: Config, run_root: str) -> str:
@@ -68,7 +70,7 @@ def check(cfg: Config) -> list[str]:
         source = Path(bind.split(":", 1)[0]).expanduser()
         if not source.exists():
             raise ConfigError(f"container bind source {source} does not exist (from cluster.container.binds, "
-                              "data.path or model.init_from)")
+                              "the data or model.init_from)")
     if shutil.which(runtime(cfg)) is None:
         raise ConfigError(f"cluster.container.runtime={runtime(cfg)} is not on PATH: load its module, or set "
                           "cluster.container.runtime=auto")

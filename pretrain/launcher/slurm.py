@@ -77,10 +77,13 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
         "# Preemption also signals this script: carry on to the requeue check below once srun returns.",
         "trap 'PRETRAIN_GOT_TERM=1; echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
     ]
-    lines += [f"export {key}={shlex.quote(str(value))}" for key, value in cluster.env.items()]
-    if cluster.setup:
-        lines += ["# cluster.setup", *cluster.setup]
-    return lines
+    return lines + environment_lines(cluster)
+
+
+def environment_lines(cluster: ClusterConfig) -> list[str]:
+    """cluster.env exported, then the cluster.setup lines: what every job of the cluster runs first."""
+    lines = [f"export {key}={shlex.quote(str(value))}" for key, value in cluster.env.items()]
+    return lines + (["# cluster.setup", *cluster.setup] if cluster.setup else [])
 
 
 def teardown_lines(cluster: ClusterConfig) -> list[str]:
@@ -159,12 +162,11 @@ def executor_parameters(cfg: Config, name: str, run_dir_definition: list[str]) -
     """Everything the batch script says besides its command: #SBATCH flags, setup and teardown lines."""
     cluster = cfg.cluster
     params: dict[str, Any] = {
+        **allocation_parameters(cluster),
         "job_name": name,
         "nodes": cluster.nodes,
         "ntasks_per_node": cluster.gpus_per_node,
         "gpus_per_node": cluster.gpus_per_node,
-        "cpus_per_task": cluster.cpus_per_task,
-        "time": cluster.time_min,
         "signal_delay_s": cluster.signal_delay_s,
         "setup": setup_lines(cluster, run_dir_definition),
         "teardown": teardown_lines(cluster),
@@ -173,11 +175,16 @@ def executor_parameters(cfg: Config, name: str, run_dir_definition: list[str]) -
         "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}",
                       *([f"--gpu-bind={cluster.gpu_bind}"] if cluster.gpu_bind else [])],
     }
+    return params
+
+
+def allocation_parameters(cluster: ClusterConfig) -> dict[str, Any]:
+    """The #SBATCH settings of every job on the cluster, training or not: where, how long, CPUs, memory."""
     optional = {"partition": cluster.partition, "account": cluster.account, "qos": cluster.qos,
                 "constraint": cluster.constraint, "exclude": cluster.exclude,
                 "mem": f"{cluster.mem_gb}GB" if cluster.mem_gb is not None else None}
-    params.update({key: value for key, value in optional.items() if value is not None})
-    return params
+    return {"cpus_per_task": cluster.cpus_per_task, "time": cluster.time_min,
+            **{key: value for key, value in optional.items() if value is not None}}
 
 
 def run_root(run_dirs: list[str], sweep_dir: Path | None) -> Path:

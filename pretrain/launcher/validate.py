@@ -197,6 +197,26 @@ def validate_plan_and_preflight(cfg: Config) -> None:
         raise ConfigError(f"preflight.matmul_size={p.matmul_size}: must be at least 64")
 
 
+# Mixture names become metric names (eval_loss/NAME).
+MIX_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def validate_data(cfg: Config) -> None:
+    """What the data keys say, before any dataset is opened (source.check opens them)."""
+    data = cfg.data
+    if not data.mix:
+        return
+    if data.path is not None or data.synthetic:
+        other = f"data.path={data.path}" if data.path is not None else "data.synthetic=true"
+        raise ConfigError(f"data.mix and {other} both say what to train on; keep one of them")
+    for name, source in data.mix.items():
+        if not MIX_NAME.fullmatch(name):
+            raise ConfigError(f"data.mix.{name}: a source's name must be letters, digits and _.- (it names its "
+                              f"metric, eval_loss/NAME)")
+        if not math.isfinite(source.weight) or source.weight <= 0:
+            raise ConfigError(f"data.mix.{name}.weight={source.weight}: must be a number above 0")
+
+
 def validate_logging(cfg: Config) -> None:
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, config.WANDB_MODES)
 
@@ -221,5 +241,6 @@ def validate(cfg: Config, world: World) -> None:
     validate_parallel(cfg, world)
     validate_precision(cfg, world.cuda)
     validate_plan_and_preflight(cfg)
+    validate_data(cfg)
     validate_logging(cfg)
     validate_no_secrets(cfg)

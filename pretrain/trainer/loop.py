@@ -272,22 +272,35 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> None:
-        """The validation loss over train.eval_batches global batches (the same ones every time)."""
-        if self.val_data is None:
+        """The validation loss over train.eval_batches global batches (the same ones every time) of each
+        validation split: one, or each source of a mixture (eval_loss/NAME, and eval_loss their mean
+        weighted as the mixture is)."""
+        if not self.val_data:
             return
         self.model.eval()
+        losses = {name: self.eval_loss(split) for name, split in self.val_data.items()}
+        self.model.train()
+        record: dict[str, Any] = {"step": self.state.step}
+        if set(losses) == {""}:
+            record["eval_loss"] = losses[""]
+        else:
+            weights = {name: self.cfg.data.mix[name].weight for name in losses}
+            record["eval_loss"] = sum(losses[n] * weights[n] for n in losses) / sum(weights.values())
+            record.update({f"eval_loss/{name}": loss for name, loss in losses.items()})
+        if self.env.is_main:
+            parts = ", ".join(f"{name} {loss:.4f}" for name, loss in losses.items() if name)
+            log.info("step %d | eval loss %.4f%s", self.state.step, record["eval_loss"], f" ({parts})" if parts else "")
+        self.progress.write(record)
+
+    def eval_loss(self, split) -> float:
+        """The mean loss of the model over train.eval_batches global batches of one validation split."""
         total = torch.zeros((), device=self.device)
         for batch in range(self.cfg.train.eval_batches):
             indices = source.rank_indices(batch * self.global_batch, self.global_batch, self.env.world_size,
                                           self.env.rank, self.cfg.train.micro_batch, 0)
-            inputs, targets = self.to_device(*self.val_data.get_batch(indices, self.cfg.train.seq_len,
-                                                                      self.cfg.train.seed))
+            inputs, targets = self.to_device(*split.get_batch(indices, self.cfg.train.seq_len, self.cfg.train.seed))
             total += self.eval_loss_fn(self.model(inputs), targets)
-        self.model.train()
-        eval_loss = self.mean_across_ranks(total / self.cfg.train.eval_batches)
-        if self.env.is_main:
-            log.info("step %d | eval loss %.4f", self.state.step, eval_loss)
-        self.progress.write({"step": self.state.step, "eval_loss": eval_loss})
+        return self.mean_across_ranks(total / self.cfg.train.eval_batches)
 
     @torch.no_grad()
     def sample(self) -> None:

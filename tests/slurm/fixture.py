@@ -261,8 +261,15 @@ def _same_nodes(sacct_nodes: str, scontrol_nodes: str | None) -> bool:
 _shared: dict[str, object] = {"cluster": None, "users": 0}
 
 
+PORT_VARIABLES = ("LOCALCLUSTER_CTLD_PORT", "LOCALCLUSTER_DBD_PORT", "LOCALCLUSTER_SLURMD_PORT")
+
+
 def _script_env() -> dict[str, str]:
-    """Own ports per pytest-xdist worker, so parallel workers do not collide."""
+    """The ports given in the environment (several people testing on one machine pick their own), else
+    own ports per pytest-xdist worker, so parallel workers do not collide."""
+    given = {name: os.environ[name] for name in PORT_VARIABLES if name in os.environ}
+    if given:
+        return given
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     m = re.fullmatch(r"gw(\d+)", worker)
     if not m:

@@ -6,8 +6,8 @@
 A cold start (a new run directory: no checkpoint, no compile cache) trains --every steps and stops
 with a checkpoint, as a job does on its time-limit signal; the same command again is the requeued
 job: it resumes from that checkpoint with the compile caches the first job left in the run
-directory, and stops again. A third job resumes with an empty compile cache (TORCHINDUCTOR_CACHE_DIR
-pointing at a new folder), for what the cache is worth. Each job records its start-up by phase in
+directory, and stops again. A third job resumes with an empty compile cache (fsdp.compile_cache
+naming a new folder), for what the cache is worth. Each job records its start-up by phase in
 metrics.jsonl (`startup_s`: from the process's start to the end of its first step); those records
 are the figures. Writes NAME.json and NAME.md under --out.
 """
@@ -15,7 +15,6 @@ are the figures. Writes NAME.json and NAME.md under --out.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -59,19 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-empty-cache", action="store_true", help="leave out the third job")
     args = parser.parse_intermixed_args(argv)
 
-    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the run directory's cache, as a user's job has it
     run_dir = args.runs / args.name
     shutil.rmtree(run_dir, ignore_errors=True)
     names = JOBS[:2] if args.skip_empty_cache else JOBS
     steps = args.every * len(names)
     jobs, commands = [], []
     for index, job in enumerate(names):
-        if job == JOBS[2]:
-            empty = args.runs / f"{args.name}-empty-cache"
-            shutil.rmtree(empty, ignore_errors=True)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(empty)
+        empty = args.runs / f"{args.name}-empty-cache"
+        shutil.rmtree(empty, ignore_errors=True)
+        cache = [f"fsdp.compile_cache={empty}"] if job == JOBS[2] else []
         # Each job stops with a checkpoint after `every` steps, as on its time limit; the next resumes there.
-        overrides = [*BASE, f"train.steps={steps}", f"train.stop_at_step={args.every * (index + 1)}", *args.overrides]
+        overrides = [*BASE, f"train.steps={steps}", f"train.stop_at_step={args.every * (index + 1)}", *cache,
+                     *args.overrides]
         ran = common.launch(overrides, run_dir, args.timeout, args.out / f"{args.name}-{index}.log")
         found = startups(run_dir)
         record = found[index] if len(found) > index else {}
@@ -79,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
                      "first_step": record.get("step")})
         commands.append(ran["command"])
         print(f"{job}: exit {ran['exit_code']}, start-up {record.get('startup_s')} s {record.get('startup', {})}")
-    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     result = {"name": args.name, **common.stamp(), "command": commands[0], "every": args.every, "jobs": jobs}
     cold, requeued = jobs[0].get("startup_s"), jobs[1].get("startup_s")
     if cold and requeued:

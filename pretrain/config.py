@@ -56,6 +56,10 @@ class FSDPConfig:
     activation_checkpointing: str = "auto"
     # Compile each transformer block and the loss.
     compile: bool = False
+    # Where torch.compile keeps its caches (Inductor's graphs, Triton's kernels), so that a requeued job
+    # compiles in seconds: null is the run directory's cache/compile; a folder (relative: to the run
+    # directory) to share one between runs, or to keep the small files off a parallel filesystem.
+    compile_cache: Optional[str] = None
 
 
 @dataclass

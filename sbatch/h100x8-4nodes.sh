@@ -44,6 +44,7 @@ fsdp:
   shard_size: null
   activation_checkpointing: selective
   compile: false
+  compile_cache: null
 precision:
   name: auto
   float8: none

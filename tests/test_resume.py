@@ -173,7 +173,11 @@ def test_compiled_blocks_train_like_eager_ones_and_share_their_checkpoints(tmp_p
     run = (*RUN, "train.steps=4", "train.ckpt_every=2", "fsdp.activation_checkpointing=selective")
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     assert launch(*run, f"hydra.run.dir={eager}").returncode == 0
-    result = launch(*run, "fsdp.compile=true", "train.stop_at_step=2", f"hydra.run.dir={compiled}")
+    # Inductor writes TORCHINDUCTOR_CACHE_DIR into the environment of any process that compiled: inherited,
+    # it must not take the caches away from the run directory.
+    inherited = tmp_path / "inherited-inductor-cache"
+    result = launch(*run, "fsdp.compile=true", "train.stop_at_step=2", f"hydra.run.dir={compiled}",
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(inherited)})
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = launch(*run, f"hydra.run.dir={compiled}")  # the compiled run's checkpoint, resumed eager
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
@@ -185,4 +189,5 @@ def test_compiled_blocks_train_like_eager_ones_and_share_their_checkpoints(tmp_p
     assert "first step (compilation)" in startups[0]["startup"] and "checkpoint" in startups[1]["startup"]
     assert sum(startups[0]["startup"].values()) == pytest.approx(startups[0]["startup_s"], abs=0.1)
     assert any((compiled / "cache" / "compile").rglob("*.py")), "Inductor wrote nothing to the run's cache"
+    assert not inherited.exists()
     assert "s from process start to the first step: process start and imports" in resumed.stdout

@@ -78,13 +78,15 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def persist_compile_cache(folder: Path) -> Path:
-    """Keep torch.compile's caches (Inductor's graphs and kernels, Triton's binaries) in `folder`, the
-    run directory's, unless TORCHINDUCTOR_CACHE_DIR says where: by default they live in /tmp, which a
-    requeued job on another node does not have, so every restart compiled everything again. Every rank
-    may share the folder (Inductor writes its entries atomically)."""
-    chosen = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder)))
-    chosen.mkdir(parents=True, exist_ok=True)
-    return chosen
+    """Keep torch.compile's caches (Inductor's graphs and kernels, Triton's binaries) in `folder`.
+
+    Inductor's default is /tmp, which a requeued job on another node does not have, so every restart
+    compiled everything again. TORCHINDUCTOR_CACHE_DIR is set, not defaulted: Inductor writes it into
+    the environment of any process that has compiled, so an inherited value says nothing of the user's
+    wish (fsdp.compile_cache does). Every rank may share the folder (Inductor writes atomically)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype) -> None:

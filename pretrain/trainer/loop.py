@@ -468,7 +468,8 @@ def run(cfg: Config) -> dict[str, Any]:
             source.ensure(cfg)  # the built-in corpus, when the run uses it and it is not there yet
         dist.barrier()
         if cfg.fsdp.compile:
-            persist_compile_cache(Path(cfg.run_dir) / rundir.COMPILE_CACHE)
+            cache = Path(cfg.fsdp.compile_cache or rundir.COMPILE_CACHE).expanduser()
+            persist_compile_cache(Path(cfg.run_dir) / cache)  # a relative folder: in the run directory
         clock.mark("process group")
         result = _train(Trainer(cfg, env, device, stop, clock))
         # The model's sharded tensors hold the process groups: freed here, while the interpreter is whole,

@@ -3,6 +3,7 @@ for asynchronous saves the digests are computed off the training thread."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -91,3 +92,48 @@ def test_a_step_damaged_twice_is_kept_twice(tmp_path):
         (tmp_path / "step_00000004").mkdir()
         checkpoint.set_aside(tmp_path / "step_00000004")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004.damaged", "step_00000004.damaged-2"]
+
+
+def damage(path) -> None:
+    """Flip the first byte of a file, keeping its size."""
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_each_rank_checks_the_files_it_wrote_and_rank_0_the_others(tmp_path):
+    names = ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", ".metadata", "rng/rank0.pt",
+             "rng/rank1.pt", "extra.bin"]
+    (tmp_path / "rng").mkdir()
+    for index, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([index]) * 100)
+    manifest = {"world_size": 2, "files": checkpoint.digest(tmp_path, names)}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    damage(tmp_path / "__1_0.distcp")
+    damage(tmp_path / "extra.bin")
+
+    assert problems(tmp_path, 0, 2) == ["extra.bin fails its checksum"]
+    assert problems(tmp_path, 1, 2) == ["__1_0.distcp fails its checksum"]
+    # Checked by another number of ranks than wrote it: every file is still someone's.
+    assert sorted(p for rank in range(3) for p in problems(tmp_path, rank, 3)) == [
+        "__1_0.distcp fails its checksum", "extra.bin fails its checksum"]
+
+
+def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_when_asked(
+        tmp_path, one_process_group, monkeypatch):
+    model, optimizer = model_and_optimizer()
+    saver = Checkpointer(tmp_path, keep=5)
+    older = saver.save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")
+    newest = saver.save(6, model, optimizer, {"step": 6}, ModelConfig(), "hash")
+    damage(newest / "__0_0.distcp")
+    checking_threads = []
+    check = checkpoint.problems
+    monkeypatch.setattr(checkpoint, "problems", lambda *a: checking_threads.append(threading.current_thread()) or check(*a))
+
+    ahead = checkpoint.VerifyAhead(tmp_path, rank=0, world_size=1)
+    assert ahead.path == newest
+    assert checkpoint.verify(newest, ahead) == ["__0_0.distcp fails its checksum"]
+    assert checking_threads[0].name.startswith("checkpoint-verify") and len(checking_threads) == 1
+    assert ahead.problems_of(older) is None and checkpoint.verify(older, ahead) == []
+    assert checking_threads[1] is threading.main_thread()
+    assert checkpoint.VerifyAhead(tmp_path / "none", rank=0, world_size=1).path is None

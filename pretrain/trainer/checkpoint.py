@@ -24,7 +24,9 @@ it wrote, in parallel and, for asynchronous saves, in the writer thread, so trai
 for the digests. `verify` checks them before a load, several files at a time; the training start
 falls back to the previous checkpoint when the newest is damaged, and renames the damaged one aside
 (`.damaged`), never deleting it. A load reads the rank's files in parallel too (`ParallelReader`):
-a requeued job waits for its checkpoint before its first step.
+a requeued job waits for its checkpoint before its first step. So that it waits less, the job checks
+its newest checkpoint from its first moments (`VerifyAhead`), while the process group, the preflight
+and the model are set up; that read also leaves the rank's files in the node's page cache for the load.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import zlib
@@ -176,18 +179,39 @@ class ParallelReader(dcp.FileSystemReader):
 def written_by(folder: Path, rank: int) -> list[str]:
     """The files of a checkpoint folder that `rank` wrote: its DCP shards and its RNG state
     (rank 0 also wrote DCP's .metadata)."""
-    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [f"rng/rank{rank}.pt"]
-    if rank == 0 and (folder / ".metadata").is_file():
-        names.append(".metadata")
-    return sorted(names)
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    return [name for name in names if writer_of(name) == rank]
+
+
+def writer_of(name: str) -> int | None:
+    """The rank that wrote a checkpoint file (`__R_I.distcp`, `rng/rankR.pt`; rank 0 `.metadata`)."""
+    if name == ".metadata":
+        return 0
+    match = _WRITER.fullmatch(name)
+    return int(match.group(1) or match.group(2)) if match else None
+
+
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt")
 
 
 def problems(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
-    """What is wrong with a checkpoint folder's files, checking every world_size-th file from rank."""
+    """What is wrong with a checkpoint folder's files: with world_size ranks checking, rank's share.
+
+    Written by as many ranks as check it, each rank checks the files it wrote, which are those it will
+    load (on a node of its own, the read leaves them in that node's page cache); otherwise every
+    world_size-th file from rank.
+    """
     try:
-        files = read_manifest(path)["files"]
+        manifest = read_manifest(path)
+        files = manifest["files"]
     except (OSError, ValueError, KeyError) as err:
         return [f"unreadable manifest ({err})"]
+    if manifest.get("world_size") == world_size:
+        writers = {name: writer_of(name) for name in files}
+        share = sorted(name for name, writer in writers.items()
+                       if writer == rank or (rank == 0 and (writer is None or writer >= world_size)))
+    else:
+        share = sorted(files)[rank::world_size]
 
     def problem(name: str) -> str | None:
         file = path / name
@@ -202,12 +226,38 @@ def problems(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     # Several files at a time, as they were written: one after the other, a resume of the 1B shape
     # spent 12 s on its 17 GiB of checksums.
     with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-        return [p for p in pool.map(problem, sorted(files)[rank::world_size]) if p]
+        return [p for p in pool.map(problem, share) if p]
 
 
-def verify(path: Path) -> list[str]:
+class VerifyAhead:
+    """This rank's share of the newest complete checkpoint's check (`problems`), in a background thread
+    started before the process group exists: a requeued job's start-up then overlaps it.
+
+    `verify` takes its result for that folder; any other folder (an older one after a damaged newest,
+    or one `tidy` published meanwhile) is checked when asked.
+    """
+
+    def __init__(self, root: Path, rank: int, world_size: int) -> None:
+        found = complete_checkpoints(root)
+        self.path: Path | None = found[-1] if found else None
+        self._result: Future | None = None
+        if self.path is not None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify")
+            self._result = pool.submit(problems, self.path, rank, world_size)
+            pool.shutdown(wait=False)
+
+    def problems_of(self, path: Path) -> list[str] | None:
+        """This rank's problems with `path` if it was checked ahead (waiting for the check), else None."""
+        if self._result is None or path != self.path:
+            return None
+        return self._result.result()
+
+
+def verify(path: Path, ahead: VerifyAhead | None = None) -> list[str]:
     """Check a checkpoint's files, split across ranks; every rank gets the whole list of problems."""
-    mine = problems(path, dist.get_rank(), dist.get_world_size())
+    mine = ahead.problems_of(path) if ahead is not None else None
+    if mine is None:
+        mine = problems(path, dist.get_rank(), dist.get_world_size())
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     return [problem for part in gathered for problem in part]

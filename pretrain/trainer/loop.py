@@ -93,12 +93,15 @@ def config_hash(cfg: Config) -> str:
 
 class Trainer:
     def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device,
-                 stop: resilience.StopRequest | None = None, clock: StartupClock | None = None) -> None:
+                 stop: resilience.StopRequest | None = None, clock: StartupClock | None = None,
+                 verify_ahead: checkpoint.VerifyAhead | None = None) -> None:
         """stop: the signal listener the loop asks at each step boundary (none installed by default);
-        clock: the job's start-up so far (a new one by default)."""
+        clock: the job's start-up so far (a new one by default); verify_ahead: the newest checkpoint's
+        check, started at the job's start (none: checked when resuming)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.stop = stop or resilience.StopRequest()
         self.clock = clock or StartupClock()
+        self.verify_ahead = verify_ahead
         self.run_dir = Path(cfg.run_dir)
         self.faults = resilience.Faults.from_environment()
         try:
@@ -120,6 +123,7 @@ class Trainer:
         if self.precision == "fp32" and device.type == "cuda":
             precision.allow_tf32()
         self.model = build_model(cfg, device, self.mesh)
+        self.clock.mark("model")
         self.optimizer = build_optimizer(self.model, cfg.optim, device)
         self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
         self.skips = SkippedSteps(cfg.train.max_bad_steps, loss_scaled=self.scaler.enabled)
@@ -135,7 +139,7 @@ class Trainer:
         self.wandb = WandbRun(cfg, env.is_main)
         self.progress = Progress(cfg, env.world_size, self.global_batch, device, env.is_main, self.metrics, self.wandb)
         self.state = TrainState()
-        self.clock.mark("model, optimizer and data")
+        self.clock.mark("optimizer and data")
 
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -350,7 +354,7 @@ class Trainer:
             resilience.clear_requeue_request(self.run_dir)
         dist.barrier()
         for path in reversed(rundir.complete_checkpoints(root)):
-            damage = checkpoint.verify(path)
+            damage = checkpoint.verify(path, self.verify_ahead)
             if damage:
                 self.set_aside(path, damage)
                 continue
@@ -461,6 +465,7 @@ def run(cfg: Config) -> dict[str, Any]:
     # Listen before the slow start-up: a signal during it must not kill the job uncheckpointed.
     stop = resilience.StopRequest()
     stop.install()
+    verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     try:
@@ -471,7 +476,7 @@ def run(cfg: Config) -> dict[str, Any]:
             cache = Path(cfg.fsdp.compile_cache or rundir.COMPILE_CACHE).expanduser()
             persist_compile_cache(Path(cfg.run_dir) / cache)  # a relative folder: in the run directory
         clock.mark("process group")
-        result = _train(Trainer(cfg, env, device, stop, clock))
+        result = _train(Trainer(cfg, env, device, stop, clock, verify_ahead))
         # The model's sharded tensors hold the process groups: freed here, while the interpreter is whole,
         # not at its shutdown, where gloo's threads could then abort a finished job ("terminate called
         # without an active exception", seen in 2 of 3 two-node Slurm jobs).

@@ -123,11 +123,10 @@ class Attention(nn.Module):
         if cache is not None:
             mask = cache.mask(seq, x.device)
             k, v = cache.extend(k, v)
-        if self.n_kv_heads != self.n_heads:
-            repeat = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        # Grouped heads go to SDPA as they are: its kernels read each key/value head for its group of
+        # query heads, where repeating K and V first would write and keep copies of them.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

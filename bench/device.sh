@@ -3,10 +3,12 @@
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
+#                        |attention|side-bf16|ab-bf16|correctness
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
-# the bundle of tests/slurm/bundle.sh in .slurm-bundle/slurm.tar.gz.
+# the bundle of tests/slurm/bundle.sh in .slurm-bundle/slurm.tar.gz; ab-bf16 the files of the other
+# side of an A/B under .ab/ (e.g. .ab/llama.py from the commit before a model change), laid over a copy.
 # Results and logs go to /tmp/results, packed at the end into $OUT/results.tgz (the device tool brings
 # back only a few files); unpack it into bench/results/ afterwards.
 set -uo pipefail
@@ -54,7 +56,16 @@ for phase in "$@"; do
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
     side-1gpu)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 1b-1gpu-fp8 --out "$results" 2>&1 | tail -4 ;;
     side-2gpu)  python3 bench/side_by_side.py --titan .titan 1b-2gpu-bf16 8b-2gpu-mb2-bf16 --out "$results" 2>&1 | tail -4 ;;
-    restart)    python3 bench/restart.py --out "$results" 2>&1 | tail -8 ;;
+    restart)    python3 bench/restart.py --name "restart-1b-1gpu-$BENCH_COMMIT" --out "$results" 2>&1 | tail -8 ;;
+    attention)  python3 bench/attention_check.py --name "attention-gqa-$BENCH_COMMIT" --out "$results" 2>&1 | tail -30 ;;
+    side-bf16)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 --suffix "-$BENCH_COMMIT" --out "$results" \
+                  2>&1 | tail -4 ;;
+    ab-bf16)    rm -rf /tmp/ab && mkdir /tmp/ab && cp -r pretrain conf pyproject.toml /tmp/ab/ \
+                  && cp .ab/llama.py /tmp/ab/pretrain/models/llama.py \
+                  && python3 bench/throughput.py 1b-1gpu --repo /tmp/ab --name "ours-1b-1gpu-bf16-ab-$BENCH_COMMIT" \
+                  --out "$results" 2>&1 | tail -4 ;;
+    correctness) python3 bench/correctness.py --runs-of bf16 fp32-seed2 --name "correctness-$BENCH_COMMIT" --out "$results" \
+                  2>&1 | tail -8 ;;
     slurm-gpu)  bash tests/slurm/bundle.sh unpack .slurm-bundle/slurm.tar.gz 2>&1 | tail -3
                 python3 bench/slurm_gpu.py --out "$results" 2>&1 | tail -30 ;;
     *) echo "unknown phase $phase"; exit 2 ;;

@@ -77,15 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("--steps", type=int, default=60, help="torchtitan's tomls train 60 steps")
     parser.add_argument("--measure-from", type=int, default=30)
+    parser.add_argument("--suffix", default="", help="added to the result names, e.g. -COMMIT for a repeat")
     args = parser.parse_args(argv)
     failed = 0
     for row_name in args.rows:
         row = ROWS[row_name]
-        titan = run_titan(args.titan.resolve(), f"titan-{row_name}", row, args.out)
-        ours = run_ours(f"ours-{row_name}", row, args.steps, args.measure_from, args.out)
+        titan = run_titan(args.titan.resolve(), f"titan-{row_name}{args.suffix}", row, args.out)
+        ours = run_ours(f"ours-{row_name}{args.suffix}", row, args.steps, args.measure_from, args.out)
         titan_rate = titan_steady(titan["log"], args.measure_from)
         ours_rate = ours.get("steady", {}).get("tokens_per_s_per_gpu")
-        result = {"name": f"side-{row_name}", "row": row_name, **common.stamp(), "steps": args.steps,
+        result = {"name": f"side-{row_name}{args.suffix}", "row": row_name, **common.stamp(), "steps": args.steps,
                   "measure_from": args.measure_from, "ours_tokens_per_s_per_gpu": ours_rate,
                   "titan_tokens_per_s_per_gpu": titan_rate, "ratio": ours_rate / titan_rate if ours_rate and titan_rate else None,
                   "ours_command": ours.get("command"), "titan_command": titan["command"],

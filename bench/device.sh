@@ -3,7 +3,7 @@
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
-#                        |attention|side-bf16|ab-bf16|correctness
+#                        |attention|side-bf16|ab-bf16|head-bf16[-N]|restart[-N]|correctness
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -56,9 +56,11 @@ for phase in "$@"; do
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
     side-1gpu)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 1b-1gpu-fp8 --out "$results" 2>&1 | tail -4 ;;
     side-2gpu)  python3 bench/side_by_side.py --titan .titan 1b-2gpu-bf16 8b-2gpu-mb2-bf16 --out "$results" 2>&1 | tail -4 ;;
-    restart)    python3 bench/restart.py --name "restart-1b-1gpu-$BENCH_COMMIT" --out "$results" 2>&1 | tail -8 ;;
+    restart*)   python3 bench/restart.py --name "restart-1b-1gpu-$BENCH_COMMIT${phase#restart}" --out "$results" 2>&1 | tail -8 ;;
+    head-bf16*) python3 bench/throughput.py 1b-1gpu --name "ours-1b-1gpu-bf16-$BENCH_COMMIT${phase#head-bf16}" \
+                  --out "$results" 2>&1 | tail -4 ;;
     attention)  python3 bench/attention_check.py --name "attention-gqa-$BENCH_COMMIT" --out "$results" 2>&1 | tail -30 ;;
-    side-bf16)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 --suffix "-$BENCH_COMMIT" --out "$results" \
+    side-bf16)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 --suffix="-$BENCH_COMMIT" --out "$results" \
                   2>&1 | tail -4 ;;
     ab-bf16)    rm -rf /tmp/ab && mkdir /tmp/ab && cp -r pretrain conf pyproject.toml /tmp/ab/ \
                   && cp .ab/llama.py /tmp/ab/pretrain/models/llama.py \

@@ -8,7 +8,8 @@
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
 # the bundle of tests/slurm/bundle.sh in .slurm-bundle/slurm.tar.gz; ab-bf16 the files of the other
-# side of an A/B under .ab/ (e.g. .ab/llama.py from the commit before a model change), laid over a copy.
+# side of an A/B under .ab/ (git-ignored, carried; e.g. .ab/llama.py from the commit before a model
+# change), laid over a copy of the package.
 # Results and logs go to /tmp/results, packed at the end into $OUT/results.tgz (the device tool brings
 # back only a few files); unpack it into bench/results/ afterwards.
 set -uo pipefail

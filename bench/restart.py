@@ -10,12 +10,17 @@ directory, and stops again. A third job resumes with an empty compile cache (fsd
 naming a new folder), for what the cache is worth. Each job records its start-up by phase in
 metrics.jsonl (`startup_s`: from the process's start to the end of its first step); those records
 are the figures. Writes NAME.json and NAME.md under --out.
+
+Start-up varies between jobs of the same kind by several seconds (imports, compilation), so
+--repeats N runs the whole series N times, each in a new run directory, and the ratio is that of
+the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,29 +41,24 @@ def startups(run_dir: Path) -> list[dict[str, Any]]:
 
 def table(result: dict[str, Any]) -> str:
     phases = list(dict.fromkeys(p for job in result["jobs"] for p in job.get("startup", {})))
-    head = "| job | exit | start-up (s) | " + " | ".join(phases) + " |\n|---|---|---|" + "---|" * len(phases) + "\n"
+    head = ("| job | series | exit | start-up (s) | " + " | ".join(phases) + " |\n|---|---|---|---|"
+            + "---|" * len(phases) + "\n")
     rows = []
     for job in result["jobs"]:
         cells = [f"{job['startup'].get(p, 0):.1f}" for p in phases] if job.get("startup") else ["-"] * len(phases)
         total = f"{job['startup_s']:.1f}" if job.get("startup_s") is not None else "-"
-        rows.append(f"| {job['job']} | {job['exit_code']} | {total} | " + " | ".join(cells) + " |")
+        rows.append(f"| {job['job']} | {job['series']} | {job['exit_code']} | {total} | " + " | ".join(cells) + " |")
     ratio = result.get("restart_over_cold")
-    tail = f"\n\nrequeued / cold start: **{ratio:.2f}**" if ratio else ""
+    tail = ""
+    if ratio:
+        tail = (f"\n\nmedian start-up: cold {result['median_s']['cold']:.1f} s, requeued "
+                f"{result['median_s']['requeued']:.1f} s; requeued / cold start: **{ratio:.2f}**")
     return head + "\n".join(rows) + tail + f"\n\ncommand: `{result['command']}`"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="extra launcher overrides")
-    parser.add_argument("--name", default="restart-1b-1gpu")
-    parser.add_argument("--every", type=int, default=10, help="steps each job trains before it stops")
-    parser.add_argument("--out", type=Path, default=common.RESULTS)
-    parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--skip-empty-cache", action="store_true", help="leave out the third job")
-    args = parser.parse_intermixed_args(argv)
-
-    run_dir = args.runs / args.name
+def run_series(args: argparse.Namespace, series: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """One cold job and the requeued ones after it, in a new run directory."""
+    run_dir = args.runs / f"{args.name}-{series}"
     shutil.rmtree(run_dir, ignore_errors=True)
     names = JOBS[:2] if args.skip_empty_cache else JOBS
     steps = args.every * len(names)
@@ -70,17 +70,42 @@ def main(argv: list[str] | None = None) -> int:
         # Each job stops with a checkpoint after `every` steps, as on its time limit; the next resumes there.
         overrides = [*BASE, f"train.steps={steps}", f"train.stop_at_step={args.every * (index + 1)}", *cache,
                      *args.overrides]
-        ran = common.launch(overrides, run_dir, args.timeout, args.out / f"{args.name}-{index}.log")
+        ran = common.launch(overrides, run_dir, args.timeout, args.out / f"{args.name}-{series}-{index}.log")
         found = startups(run_dir)
         record = found[index] if len(found) > index else {}
-        jobs.append({"job": job, **ran, "startup_s": record.get("startup_s"), "startup": record.get("startup", {}),
-                     "first_step": record.get("step")})
+        jobs.append({"job": job, "series": series, **ran, "startup_s": record.get("startup_s"),
+                     "startup": record.get("startup", {}), "first_step": record.get("step")})
         commands.append(ran["command"])
-        print(f"{job}: exit {ran['exit_code']}, start-up {record.get('startup_s')} s {record.get('startup', {})}")
+        print(f"{series} {job}: exit {ran['exit_code']}, start-up {record.get('startup_s')} s {record.get('startup', {})}")
+    shutil.rmtree(run_dir, ignore_errors=True)  # two checkpoints of the 1B shape: 34 GiB
+    return jobs, commands
+
+
+def median_startup(jobs: list[dict[str, Any]], job: str) -> float | None:
+    found = [j["startup_s"] for j in jobs if j["job"] == job and j.get("startup_s") is not None]
+    return statistics.median(found) if found else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="extra launcher overrides")
+    parser.add_argument("--name", default="restart-1b-1gpu")
+    parser.add_argument("--every", type=int, default=10, help="steps each job trains before it stops")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--skip-empty-cache", action="store_true", help="leave out the third job")
+    parser.add_argument("--repeats", type=int, default=1, help="series of jobs; the figures are their medians")
+    args = parser.parse_intermixed_args(argv)
+
+    jobs, commands = [], []
+    for series in range(1, args.repeats + 1):
+        ran, commands = run_series(args, series)
+        jobs += ran
     result = {"name": args.name, **common.stamp(), "command": commands[0], "every": args.every, "jobs": jobs}
-    cold, requeued = jobs[0].get("startup_s"), jobs[1].get("startup_s")
+    cold, requeued = median_startup(jobs, JOBS[0]), median_startup(jobs, JOBS[1])
     if cold and requeued:
-        result["restart_over_cold"] = requeued / cold
+        result.update(median_s={"cold": cold, "requeued": requeued}, restart_over_cold=requeued / cold)
     common.write_result(args.out, args.name, result, table(result))
     print(table(result))
     return 0 if cold and requeued else 1

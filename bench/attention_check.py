@@ -134,6 +134,14 @@ def check_gqa(name: str, shape: tuple[int, int, int, int]) -> dict:
     return result
 
 
+def table_row(shape: str, label: str, e: dict) -> str:
+    """One measured kernel's row of the markdown table."""
+    if "error" in e:
+        return f"| {shape} | {label} | - | - | {e['error']} | no |"
+    return (f"| {shape} | {label} | {e['fwd_bwd_ms']:.2f} | {e['tflops']:.0f} | "
+            f"{max(e['rel_error'].values()):.1e} | {e['ok']} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=common.RESULTS)
@@ -143,24 +151,12 @@ def main() -> int:
     result = {**common.stamp(), "shapes": {name: check_shape(name, shape) for name, shape in SHAPES.items()},
               "gqa": {name: check_gqa(name, shape) for name, shape in SHAPES.items()}}
     rows = ["| shape | backend | fwd+bwd ms | TFLOP/s | max rel. error | ok |", "|---|---|---|---|---|---|"]
-    for name, shape in result["shapes"].items():
-        for backend, e in shape["backends"].items():
-            if "error" in e:
-                rows.append(f"| {name} | {backend} | - | - | {e['error']} | no |")
-            else:
-                rows.append(f"| {name} | {backend} | {e['fwd_bwd_ms']:.2f} | {e['tflops']:.0f} | "
-                            f"{max(e['rel_error'].values()):.1e} | {e['ok']} |")
+    rows += [table_row(name, backend, e) for name, shape in result["shapes"].items()
+             for backend, e in shape["backends"].items()]
     rows += ["", f"Grouped heads ({KV_HEADS} key/value heads): K, V repeated first vs enable_gqa", "",
              "| shape | backend and way | fwd+bwd ms | TFLOP/s | max rel. error | ok |", "|---|---|---|---|---|---|"]
-    for name, entries in result["gqa"].items():
-        for way, e in entries.items():
-            if isinstance(e, str):
-                rows.append(f"| {name} | {way} {e} | | | | |")
-            elif "error" in e:
-                rows.append(f"| {name} | {way} | - | - | {e['error']} | no |")
-            else:
-                rows.append(f"| {name} | {way} | {e['fwd_bwd_ms']:.2f} | {e['tflops']:.0f} | "
-                            f"{max(e['rel_error'].values()):.1e} | {e['ok']} |")
+    rows += [f"| {name} | {way} {e} | | | | |" if isinstance(e, str) else table_row(name, way, e)
+             for name, entries in result["gqa"].items() for way, e in entries.items()]
     common.write_result(args.out, args.name, result, "\n".join(rows))
     print("\n".join(rows))
     return 0

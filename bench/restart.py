@@ -56,17 +56,19 @@ def table(result: dict[str, Any]) -> str:
     return head + "\n".join(rows) + tail + f"\n\ncommand: `{result['command']}`"
 
 
-def run_series(args: argparse.Namespace, series: int) -> tuple[list[dict[str, Any]], list[str]]:
+def run_series(args: argparse.Namespace, series: int) -> list[dict[str, Any]]:
     """One cold job and the requeued ones after it, in a new run directory."""
     run_dir = args.runs / f"{args.name}-{series}"
     shutil.rmtree(run_dir, ignore_errors=True)
     names = JOBS[:2] if args.skip_empty_cache else JOBS
     steps = args.every * len(names)
-    jobs, commands = [], []
+    jobs = []
     for index, job in enumerate(names):
-        empty = args.runs / f"{args.name}-empty-cache"
-        shutil.rmtree(empty, ignore_errors=True)
-        cache = [f"fsdp.compile_cache={empty}"] if job == JOBS[2] else []
+        cache = []
+        if job == JOBS[2]:
+            empty = args.runs / f"{args.name}-empty-cache"
+            shutil.rmtree(empty, ignore_errors=True)
+            cache = [f"fsdp.compile_cache={empty}"]
         # Each job stops with a checkpoint after `every` steps, as on its time limit; the next resumes there.
         overrides = [*BASE, f"train.steps={steps}", f"train.stop_at_step={args.every * (index + 1)}", *cache,
                      *args.overrides]
@@ -75,10 +77,9 @@ def run_series(args: argparse.Namespace, series: int) -> tuple[list[dict[str, An
         record = found[index] if len(found) > index else {}
         jobs.append({"job": job, "series": series, **ran, "startup_s": record.get("startup_s"),
                      "startup": record.get("startup", {}), "first_step": record.get("step")})
-        commands.append(ran["command"])
         print(f"{series} {job}: exit {ran['exit_code']}, start-up {record.get('startup_s')} s {record.get('startup', {})}")
     shutil.rmtree(run_dir, ignore_errors=True)  # two checkpoints of the 1B shape: 34 GiB
-    return jobs, commands
+    return jobs
 
 
 def median_startup(jobs: list[dict[str, Any]], job: str) -> float | None:
@@ -98,11 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="series of jobs; the figures are their medians")
     args = parser.parse_intermixed_args(argv)
 
-    jobs, commands = [], []
-    for series in range(1, args.repeats + 1):
-        ran, commands = run_series(args, series)
-        jobs += ran
-    result = {"name": args.name, **common.stamp(), "command": commands[0], "every": args.every, "jobs": jobs}
+    jobs = [job for series in range(1, args.repeats + 1) for job in run_series(args, series)]
+    result = {"name": args.name, **common.stamp(), "command": jobs[0]["command"], "every": args.every, "jobs": jobs}
     cold, requeued = median_startup(jobs, JOBS[0]), median_startup(jobs, JOBS[1])
     if cold and requeued:
         result.update(median_s={"cold": cold, "requeued": requeued}, restart_over_cold=requeued / cold)

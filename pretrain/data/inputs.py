@@ -138,11 +138,13 @@ def plan_pieces(files: Sequence[Path], shard_bytes: int) -> list[Piece]:
     """The pieces of the input, in order: parts grouped until a piece holds at least shard_bytes."""
     pieces: list[Piece] = []
     current: Piece = []
+    size = 0
     for part in (part for path in files for part in _parts(path, shard_bytes)):
         current.append(part)
-        if sum(p.size for p in current) >= shard_bytes:
+        size += part.size
+        if size >= shard_bytes:
             pieces.append(current)
-            current = []
+            current, size = [], 0
     return pieces + ([current] if current else [])
 
 
@@ -162,12 +164,13 @@ def _parquet_parts(path: Path, shard_bytes: int) -> Iterator[Part]:
     """Runs of row groups of about shard_bytes (uncompressed) each."""
     metadata = open_parquet(path).metadata
     sizes = [metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups)]
-    start = 0
+    start, size = 0, 0
     for stop in range(1, len(sizes) + 1):
-        if sum(sizes[start:stop]) >= shard_bytes or stop == len(sizes):
+        size += sizes[stop - 1]
+        if size >= shard_bytes or stop == len(sizes):
             whole = start == 0 and stop == len(sizes)
-            yield Part(str(path), "parquet", sum(sizes[start:stop]), start, None if whole else stop)
-            start = stop
+            yield Part(str(path), "parquet", size, start, None if whole else stop)
+            start, size = stop, 0
 
 
 def piece_to_json(piece: Piece) -> list[dict[str, Any]]:

@@ -182,11 +182,7 @@ def begin(plan: Plan) -> None:
         (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise DataError(f"output {out}: not writable ({error.strerror or error})") from None
-    kept = {shard["number"] for shard in (read_index(out).get("shards", []) if is_dataset(out) else [])}
-    for path in (out / SHARDS_DIR).iterdir():
-        number = path.name.split(".")[0]
-        if not (number.isdigit() and int(number) in kept):
-            path.unlink()
+    _remove_unlisted(out, _listed(out))
 
 
 @contextmanager
@@ -285,7 +281,7 @@ def finish(plan: Plan) -> dict[str, Any]:
                         "cancelled: see their logs); the previous dataset, if any, is unchanged; run the prepare again")
     tokenizer = load_tokenizer(plan.tokenizer, plan.eos)
     records = [json.loads(shard_record(out, n).read_text(encoding="utf-8")) for n in plan.numbers]
-    previous = read_index(out) if is_dataset(out) else {}
+    previous = _current_index(out)
     kept = previous.get("shards", []) if plan.append else []
     new = [index_entry(r, val_tokens(r["tokens"], plan.val_fraction)) for r in records if r["tokens"]]
     shards = kept + new
@@ -336,6 +332,16 @@ def _remove_other_tokenizers(out: Path, tokenizer: Tokenizer) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _current_index(out: Path) -> dict[str, Any]:
+    """The index of the dataset at `out`, or {} where there is none yet."""
+    return read_index(out) if is_dataset(out) else {}
+
+
+def _listed(out: Path) -> set[int]:
+    """The numbers of the shards the current index names."""
+    return {shard["number"] for shard in _current_index(out).get("shards", [])}
+
+
 def _remove_unlisted(out: Path, listed: set[int]) -> None:
     for path in (out / SHARDS_DIR).iterdir():
         number = path.name.split(".")[0]
@@ -351,15 +357,14 @@ def abandon(plan: Plan) -> None:
         shutil.rmtree(out, ignore_errors=True)
         return
     if (out / SHARDS_DIR).is_dir():
-        kept = {shard["number"] for shard in (read_index(out).get("shards", []) if is_dataset(out) else [])}
-        _remove_unlisted(out, kept)
+        _remove_unlisted(out, _listed(out))
     shutil.rmtree(out / PLAN_DIR, ignore_errors=True)
 
 
 def write_dataset(documents: Iterable[str], out: str | Path, tokenizer: str, val_fraction: float,
                   source: str) -> Path:
     """Documents held in memory (the built-in corpus) into a dataset of one shard at `out`."""
-    previous = read_index(Path(out)) if is_dataset(Path(out)) else {}
+    previous = _current_index(Path(out))
     plan = Plan(out=str(out), tokenizer=tokenizer, eos=None, text_field=DEFAULT_TEXT_FIELD,
                 val_fraction=val_fraction, append=False, first_number=next_number(previous), pieces=[[]])
     begin(plan)

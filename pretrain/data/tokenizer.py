@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -194,8 +193,3 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
                             f"--eos takes a token of a tokenizer JSON file, or {NO_EOS}")
         return ByteTokenizer(eos=eos is None)
     return HFTokenizer(spec, eos)
-
-
-def single_threaded() -> None:
-    """Encode in this thread only: parallelism comes from worker processes, one per core."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"

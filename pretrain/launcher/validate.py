@@ -213,7 +213,7 @@ def validate_data(cfg: Config) -> None:
         if not MIX_NAME.fullmatch(name):
             raise ConfigError(f"data.mix.{name}: a source's name must be letters, digits and _.- (it names its "
                               f"metric, eval_loss/NAME)")
-        if not math.isfinite(source.weight) or source.weight <= 0:
+        if source.weight <= 0:  # non-finite numbers were refused by validate_values
             raise ConfigError(f"data.mix.{name}.weight={source.weight}: must be a number above 0")
 
 

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,9 +51,10 @@ def forward_backward(backend: SDPBackend, q, k, v, grad) -> list[torch.Tensor]:
     return [out, *torch.autograd.grad(out, (q, k, v), grad)]
 
 
-def reference(q, k, v, grad) -> list[torch.Tensor]:
+def reference(run, q, k, v, grad) -> list[torch.Tensor]:
+    """What `run(backend, q, k, v, grad)` gives with the math backend in fp32, on upcast inputs."""
     up = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-    return forward_backward(SDPBackend.MATH, *up, grad.float())
+    return run(SDPBackend.MATH, *up, grad.float())
 
 
 def relative_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, float]:
@@ -60,25 +62,31 @@ def relative_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[st
     return {n: float((g.float() - r).norm() / r.norm()) for n, g, r in zip(names, got, ref)}
 
 
-def time_ms(backend: SDPBackend, q, k, v, grad) -> float:
+def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """The real work of causal attention's forward and backward (backward = 2.5 x forward)."""
+    return 3.5 * 4 * batch * heads * seq * seq * head_dim / 2
+
+
+def measure(run, ref, flops: float) -> dict:
+    """Errors of `run()` (output and input gradients) against `ref()`, and its median time with CUDA events."""
     from triton.testing import do_bench
 
-    return do_bench(lambda: forward_backward(backend, q, k, v, grad), warmup=100, rep=500, return_mode="median")
+    try:
+        errors = relative_errors(run(), ref())
+        ms = do_bench(run, warmup=100, rep=500, return_mode="median")
+    except RuntimeError as err:
+        return {"ok": False, "error": str(err).splitlines()[0]}
+    return {"rel_error": errors, "ok": all(e < 2e-2 for e in errors.values()), "fwd_bwd_ms": ms,
+            "tflops": flops / ms / 1e9}
 
 
 def check_shape(name: str, shape: tuple[int, int, int, int]) -> dict:
     batch, heads, seq, head_dim = shape
-    flops = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2  # causal forward, backward = 2.5 x forward
     result = {"shape": {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}, "backends": {}}
     for backend_name, backend in BACKENDS.items():
         q, k, v, grad = inputs(*shape)
-        try:
-            errors = relative_errors(forward_backward(backend, q, k, v, grad), reference(q, k, v, grad))
-            ms = time_ms(backend, q, k, v, grad)
-            entry = {"rel_error": errors, "ok": all(e < 2e-2 for e in errors.values()), "fwd_bwd_ms": ms,
-                     "tflops": flops / ms / 1e9}
-        except RuntimeError as err:
-            entry = {"ok": False, "error": str(err).splitlines()[0]}
+        entry = measure(lambda: forward_backward(backend, q, k, v, grad),
+                        lambda: reference(forward_backward, q, k, v, grad), causal_flops(*shape))
         result["backends"][backend_name] = entry
         print(name, backend_name, entry, flush=True)
     return result
@@ -106,10 +114,7 @@ def gqa_forward_backward(way: str, backend: SDPBackend | None, q, k, v, grad) ->
 
 def check_gqa(name: str, shape: tuple[int, int, int, int]) -> dict:
     """Repeated K/V against enable_gqa, per backend and for SDPA's own choice."""
-    from triton.testing import do_bench
-
-    batch, heads, seq, head_dim = shape
-    flops = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2
+    heads = shape[1]
     result = {}
     q, k, v, _ = gqa_inputs(*shape)
     for way, kv in (("repeat", k.repeat_interleave(heads // KV_HEADS, dim=1)), ("enable_gqa", k)):
@@ -118,17 +123,10 @@ def check_gqa(name: str, shape: tuple[int, int, int, int]) -> dict:
         print(name, "gqa: SDPA picks", SDPBackend(choice).name, "for", way, flush=True)
     for backend_name, backend in {"auto": None, **BACKENDS}.items():
         q, k, v, grad = gqa_inputs(*shape)
-        up = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-        ref = gqa_forward_backward("repeat", SDPBackend.MATH, *up, grad.float())
+        ref = reference(partial(gqa_forward_backward, "repeat"), q, k, v, grad)
         for way in ("repeat", "enable_gqa"):
-            try:
-                errors = relative_errors(gqa_forward_backward(way, backend, q, k, v, grad), ref)
-                ms = do_bench(lambda: gqa_forward_backward(way, backend, q, k, v, grad), warmup=100, rep=500,
-                              return_mode="median")
-                entry = {"rel_error": errors, "ok": all(e < 2e-2 for e in errors.values()), "fwd_bwd_ms": ms,
-                         "tflops": flops / ms / 1e9}
-            except RuntimeError as err:
-                entry = {"ok": False, "error": str(err).splitlines()[0]}
+            entry = measure(lambda: gqa_forward_backward(way, backend, q, k, v, grad), lambda: ref,
+                            causal_flops(*shape))
             result[f"{backend_name} {way}"] = entry
             print(name, "gqa", backend_name, way, entry, flush=True)
     return result

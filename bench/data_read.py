@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pretrain.data.dataset import TokenDataset  # noqa: E402
-from pretrain.data.layout import write_json  # noqa: E402
+from pretrain.data.layout import SHARDS_DIR, shard_bin, write_json  # noqa: E402
 from pretrain.data.mixture import MixtureDataset  # noqa: E402
 
 MICRO_BATCH, SEQ_LEN, SHARDS, CALLS = 8, 4096, 64, 200
@@ -41,10 +41,10 @@ def single_file(path: Path, tokens: np.ndarray) -> Path:
 
 
 def sharded(path: Path, tokens: np.ndarray) -> Path:
-    (path / "shards").mkdir(parents=True)
+    (path / SHARDS_DIR).mkdir(parents=True)
     shards = []
     for number, part in enumerate(np.array_split(tokens, SHARDS)):
-        part.tofile(path / "shards" / f"{number:06d}.bin")
+        part.tofile(shard_bin(path, number))
         shards.append({"number": number, "tokens": len(part), "val_tokens": 0, "documents": 1, "sources": []})
     write_json(path / "index.json", {"format": 2, "dtype": "uint16", "vocab_size": 32768, "eos_id": None,
                                      "tokenizer": "bench", "num_tokens": {"train": len(tokens), "val": 0},

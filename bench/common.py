@@ -20,10 +20,12 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 
 
-def launch(overrides: list[str], run_dir: Path, timeout_s: float, log_path: Path, repo: Path = REPO) -> dict[str, Any]:
+def launch(overrides: list[str], run_dir: Path, timeout_s: float, log_path: Path, repo: Path = REPO,
+           wrapper: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run `python -m pretrain.launch OVERRIDES hydra.run.dir=RUN_DIR` in the package tree REPO
-    (this one unless comparing with another checkout); returns exit code, time and command."""
-    command = [sys.executable, "-m", "pretrain.launch", *overrides, f"hydra.run.dir={run_dir}"]
+    (this one unless comparing with another checkout), under WRAPPER (a profiler's command line) if
+    given; returns exit code, time and command."""
+    command = [*wrapper, sys.executable, "-m", "pretrain.launch", *overrides, f"hydra.run.dir={run_dir}"]
     started = time.time()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:

@@ -3,13 +3,13 @@
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
-#                        |attention|side-bf16|ab-bf16|head-bf16[-N]|restart[-N]|correctness
+#                        |attention|side-bf16|ab-bf16|head-bf16[-N]|restart[-N]|correctness|startup-profile
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
 # the bundle of tests/slurm/bundle.sh in .slurm-bundle/slurm.tar.gz; ab-bf16 the files of the other
 # side of an A/B under .ab/ (git-ignored, carried; e.g. .ab/llama.py from the commit before a model
-# change), laid over a copy of the package.
+# change), laid over a copy of the package; startup-profile py-spy's wheel in .whl/.
 # Results and logs go to /tmp/results, packed at the end into $OUT/results.tgz (the device tool brings
 # back only a few files); unpack it into bench/results/ afterwards.
 set -uo pipefail
@@ -69,6 +69,15 @@ for phase in "$@"; do
                   --out "$results" 2>&1 | tail -4 ;;
     correctness) python3 bench/correctness.py --runs-of bf16 fp32-seed2 --name "correctness-$BENCH_COMMIT" --out "$results" \
                   2>&1 | tail -8 ;;
+    startup-profile)  # where a cold and a requeued start-up go (sampled, so slower than restart's figures)
+                name="startup-profiled-$BENCH_COMMIT"
+                python3 bench/restart.py --py-spy /tmp/site/bin/py-spy --name "$name" --skip-empty-cache --out "$results" \
+                  2>&1 | tail -6
+                python3 bench/startup_profile.py "$results/$name"-1-*.speedscope.json --top 60 \
+                  --name "startup-profile-$BENCH_COMMIT" --out "$results" 2>&1 | head -3
+                rm -f "$results/$name"-1-*.speedscope.json  # tens of MB each; the summary keeps what they say
+                python3 -X importtime -c "import pretrain.trainer.loop, torch; torch.cuda.init()" \
+                  2> "$results/importtime-$BENCH_COMMIT.txt" ;;
     slurm-gpu)  bash tests/slurm/bundle.sh unpack .slurm-bundle/slurm.tar.gz 2>&1 | tail -3
                 python3 bench/slurm_gpu.py --out "$results" 2>&1 | tail -30 ;;
     *) echo "unknown phase $phase"; exit 2 ;;

@@ -32,6 +32,7 @@ import common  # noqa: E402
 BASE = ["model=llama-1b", "data=synthetic", "precision=bf16", "fsdp.compile=true", "train.seq_len=4096",
         "train.micro_batch=8", "train.global_batch=8", "train.log_every=5", "train.eval_every=0", "train.ckpt_every=0",
         "optim.warmup_steps=10"]
+PROFILE_RATE = 200  # samples per second
 JOBS = ("cold", "requeued", "requeued, empty compile cache")
 
 
@@ -72,7 +73,8 @@ def run_series(args: argparse.Namespace, series: int) -> list[dict[str, Any]]:
         # Each job stops with a checkpoint after `every` steps, as on its time limit; the next resumes there.
         overrides = [*BASE, f"train.steps={steps}", f"train.stop_at_step={args.every * (index + 1)}", *cache,
                      *args.overrides]
-        ran = common.launch(overrides, run_dir, args.timeout, args.out / f"{args.name}-{series}-{index}.log")
+        log = args.out / f"{args.name}-{series}-{index}.log"
+        ran = common.launch(overrides, run_dir, args.timeout, log, wrapper=profiler(args.py_spy, log.with_suffix(".speedscope.json")))
         found = startups(run_dir)
         record = found[index] if len(found) > index else {}
         jobs.append({"job": job, "series": series, **ran, "startup_s": record.get("startup_s"),
@@ -80,6 +82,15 @@ def run_series(args: argparse.Namespace, series: int) -> list[dict[str, Any]]:
         print(f"{series} {job}: exit {ran['exit_code']}, start-up {record.get('startup_s')} s {record.get('startup', {})}")
     shutil.rmtree(run_dir, ignore_errors=True)  # two checkpoints of the 1B shape: 34 GiB
     return jobs
+
+
+def profiler(py_spy: str | None, out: Path) -> tuple[str, ...]:
+    """py-spy's command line that samples the launcher and its ranks, idle time and threads included
+    (bench/startup_profile.py reads what it writes)."""
+    if not py_spy:
+        return ()
+    return (py_spy, "record", "--rate", str(PROFILE_RATE), "--format", "speedscope", "--idle", "--threads", "--subprocesses",
+            "--output", str(out), "--")
 
 
 def median_startup(jobs: list[dict[str, Any]], job: str) -> float | None:
@@ -97,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--skip-empty-cache", action="store_true", help="leave out the third job")
     parser.add_argument("--repeats", type=int, default=1, help="series of jobs; the figures are their medians")
+    parser.add_argument("--py-spy", metavar="PATH", help="sample each job with this py-spy (NAME-S-J.speedscope.json beside its log; "
+                        "summarised by bench/startup_profile.py; profiled start-ups are slower)")
     args = parser.parse_intermixed_args(argv)
 
     jobs = [job for series in range(1, args.repeats + 1) for job in run_series(args, series)]

@@ -1,0 +1,134 @@
+"""Where a job's start-up goes: py-spy samples of its rank's main thread, up to its first step.
+
+    python bench/restart.py --py-spy /path/to/py-spy --name restart-profiled --skip-empty-cache
+    python bench/startup_profile.py bench/results/restart-profiled-1-*.speedscope.json --name startup-profile
+
+bench/restart.py --py-spy records each job in speedscope's format, idle time included (a thread
+waiting on a file or the GPU is still the start-up's time). This reads each record's rank (the
+process that runs pretrain/train.py), keeps its main thread's samples from the process's start to the
+first `Trainer.started` (the end of the first step), and writes the seconds of the frames the
+most time passes through, and of the modules whose import took longest. Writes NAME.json and
+NAME.md under --out.
+
+Sampling slows Python down (compilation most of all), so the figures are shares of a profiled
+start-up, not the unprofiled seconds of bench/restart.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+ENTRY = "pretrain/train.py"
+END = "Trainer.started"
+IMPORT = "_find_and_load"
+
+
+def short(file: str) -> str:
+    """A frame's file without the folders it was installed in: torch/..., pretrain/..., threading.py."""
+    for root in ("site-packages/", "dist-packages/"):
+        if root in file:
+            return file.split(root, 1)[1]
+    if "/pretrain/" in file:
+        return "pretrain/" + file.rsplit("/pretrain/", 1)[1]
+    return file.rsplit("/", 1)[-1]
+
+
+def rank_samples(profile_doc: dict[str, Any]) -> tuple[list[list[str]], list[float]]:
+    """The rank's main-thread stacks (outermost first, as 'function (file)') and their weights.
+
+    py-spy's first frames name the process and thread (with --subprocesses and --threads): dropped."""
+    frames = [f"{f['name']} ({short(f['file'])})" if f["file"] else None for f in profile_doc["shared"]["frames"]]
+    for profile in profile_doc["profiles"]:
+        stacks = [[frames[i] for i in sample if frames[i]] for sample in profile["samples"]]
+        if any(frame == f"<module> ({ENTRY})" for stack in stacks[:50] for frame in stack[:4]):
+            return stacks, profile["weights"]
+    raise ValueError(f"no thread runs {ENTRY} in this record")
+
+
+def until_first_step(stacks: list[list[str]], weights: list[float]) -> tuple[list[list[str]], list[float]]:
+    for index, stack in enumerate(stacks):
+        if any(frame.startswith(END + " ") for frame in stack):
+            return stacks[:index], weights[:index]
+    return stacks, weights
+
+
+def ours(frame: str) -> bool:
+    return frame.endswith(".py)") and "(pretrain/" in frame
+
+
+def inclusive(stacks: list[list[str]], weights: list[float]) -> Counter:
+    """Seconds each of the package's frames was on the stack (once per sample however often it recurs)."""
+    seconds: Counter = Counter()
+    for stack, weight in zip(stacks, weights):
+        for frame in {f for f in stack if ours(f)}:
+            seconds[frame] += weight
+    return seconds
+
+
+def calls_out(stacks: list[list[str]], weights: list[float]) -> Counter:
+    """Seconds in each call the package makes into other code: its innermost frame -> the frame below."""
+    seconds: Counter = Counter()
+    for stack, weight in zip(stacks, weights):
+        inner = max((i for i, frame in enumerate(stack) if ours(frame)), default=None)
+        if inner is not None and inner + 1 < len(stack):
+            seconds[f"{stack[inner].split(' (', 1)[0]} -> {stack[inner + 1]}"] += weight
+    return seconds
+
+
+def imports(stacks: list[list[str]], weights: list[float]) -> Counter:
+    """Seconds spent importing each module, with the modules it imports (inclusive)."""
+    seconds: Counter = Counter()
+    for stack, weight in zip(stacks, weights):
+        if not any(frame.startswith(IMPORT + " ") for frame in stack):
+            continue
+        modules = {frame.split(" (", 1)[1][:-1] for frame in stack if frame.startswith("<module> (")}
+        for module in modules:
+            seconds[module] += weight
+    return seconds
+
+
+def summarise(path: Path, top: int) -> dict[str, Any]:
+    stacks, weights = until_first_step(*rank_samples(json.loads(path.read_text())))
+    return {"record": path.name, "seconds": round(sum(weights), 2),
+            "frames": [[f, round(s, 2)] for f, s in inclusive(stacks, weights).most_common(top)],
+            "calls": [[c, round(s, 2)] for c, s in calls_out(stacks, weights).most_common(top)],
+            "imports": [[m, round(s, 2)] for m, s in imports(stacks, weights).most_common(top)]}
+
+
+def table(result: dict[str, Any]) -> str:
+    parts = []
+    for record in result["records"]:
+        parts.append(f"## {record['record']}: {record['seconds']:.1f} s sampled up to the first step\n\n"
+                     "| seconds | the package's frame (inclusive) |\n|---|---|\n"
+                     + "\n".join(f"| {s:.2f} | `{f}` |" for f, s in record["frames"])
+                     + "\n\n| seconds | its call into other code (inclusive) |\n|---|---|\n"
+                     + "\n".join(f"| {s:.2f} | `{c}` |" for c, s in record["calls"])
+                     + "\n\n| seconds | module imported (inclusive) |\n|---|---|\n"
+                     + "\n".join(f"| {s:.2f} | `{m}` |" for m, s in record["imports"]))
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("records", nargs="+", type=Path, help="speedscope files of bench/restart.py --py-spy")
+    parser.add_argument("--name", default="startup-profile")
+    parser.add_argument("--top", type=int, default=40, help="rows per table")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    args = parser.parse_args(argv)
+    result = {"name": args.name, **common.stamp(), "records": [summarise(p, args.top) for p in args.records]}
+    common.write_result(args.out, args.name, result, table(result))
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,9 +6,9 @@
 bench/restart.py --py-spy records each job in speedscope's format, idle time included (a thread
 waiting on a file or the GPU is still the start-up's time). This reads each record's rank (the
 process that runs pretrain/train.py), keeps its main thread's samples from the process's start to the
-first `Trainer.started` (the end of the first step), and writes the seconds of the frames the
-most time passes through, and of the modules whose import took longest. Writes NAME.json and
-NAME.md under --out.
+first `Trainer.started` (the end of the first step), and writes the seconds of the package's
+frames, of its calls into other code (torch, importlib), and of the modules whose import took
+longest. Writes NAME.json and NAME.md under --out.
 
 Sampling slows Python down (compilation most of all), so the figures are shares of a profiled
 start-up, not the unprofiled seconds of bench/restart.py.

@@ -48,6 +48,8 @@ LOCK_HELD_ENV = "PRETRAIN_RUN_LOCK_HELD"
 
 CHECKPOINTS = "checkpoints"
 COMPILE_CACHE = "cache/compile"
+# Python's bytecode for the job's imports, where the interpreter keeps none (pretrain.trainer.bytecode).
+BYTECODE_CACHE = "cache/python"
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 DAMAGED = ".damaged"

@@ -78,6 +78,21 @@ def test_definition_copies_and_installs_the_package(recipe):
     assert " torchao==0.11.0 " in pip[0]
 
 
+def test_definition_compiles_the_bytecode_of_all_it_installs(section):
+    """A SIF image is read-only: bytecode it lacks is compiled again in every process of every job. The
+    build compiles the folder the interpreter installs packages into (torch's, asked of this interpreter
+    here) and the package."""
+    post = section["post"].replace("\\\n", " ")
+    line = next(line.strip() for line in post.splitlines() if "-m compileall" in line)
+    folder = re.search(r'"\$\((python3 -c .+?)\)"', line).group(1)
+    printed = subprocess.run([BASH, "-c", shlex.quote(sys.executable) + folder.removeprefix("python3")],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    import torch
+
+    assert Path(torch.__file__).parent.parent == Path(printed)
+    assert "/opt/pretrain/pretrain" in line
+
+
 def test_definition_installs_the_infiniband_userspace(recipe):
     apt = " ".join(recipe.install).replace("\\", " ")
     installed = set(re.search(r"apt-get install ([^;&|]*)", apt).group(1).split())

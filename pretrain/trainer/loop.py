@@ -40,7 +40,7 @@ from pretrain.parallel import float8
 from pretrain.parallel.parallelize import build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
-from pretrain.trainer import checkpoint, distributed, logs, precision, preflight, resilience
+from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience
 from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
@@ -468,6 +468,9 @@ def run(cfg: Config) -> dict[str, Any]:
     verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
+    if env.is_main and bytecode.kept_in_run_dir(Path(cfg.run_dir)):
+        log.info("this Python keeps no bytecode for %s (PYTHONDONTWRITEBYTECODE, or a read-only image): the job "
+                 "keeps it in %s, so later starts import in a fraction of the time", bytecode.PROBE, sys.pycache_prefix)
     try:
         if env.is_main:
             source.ensure(cfg)  # the built-in corpus, when the run uses it and it is not there yet

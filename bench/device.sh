@@ -3,13 +3,14 @@
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
-#                        |attention|side-bf16|ab-bf16|head-bf16[-N]|restart[-N]|correctness|startup-profile
+#                        |attention|side-bf16|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness
+#                        |startup-profile|compile-site
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
 # the bundle of tests/slurm/bundle.sh in .slurm-bundle/slurm.tar.gz; ab-bf16 the files of the other
-# side of an A/B under .ab/ (git-ignored, carried; e.g. .ab/llama.py from the commit before a model
-# change), laid over a copy of the package; startup-profile py-spy's wheel in .whl/.
+# side of an A/B under .ab/ (git-ignored, carried; paths as in the repository, e.g.
+# .ab/pretrain/models/llama.py from the commit before a model change), laid over a copy of the package; startup-profile py-spy's wheel in .whl/.
 # Results and logs go to /tmp/results, packed at the end into $OUT/results.tgz (the device tool brings
 # back only a few files); unpack it into bench/results/ afterwards.
 set -uo pipefail
@@ -26,6 +27,11 @@ results=/tmp/results
 mkdir -p "$results"
 trap 'tar -czf "$OUT/results.tgz" -C /tmp results' EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$results/machine.txt"
+
+# The other side of an A/B: the package as it is, with the files under .ab/ (paths as in the repository) over it.
+ab_tree() { rm -rf /tmp/ab && mkdir /tmp/ab && cp -r pretrain conf pyproject.toml /tmp/ab/ && cp -r .ab/. /tmp/ab/; }
+# Extra arguments of every restart phase, e.g. RESTART_ARGS="--repeats 2 --every 5 --skip-empty-cache".
+RESTART_ARGS=${RESTART_ARGS:-}
 
 for phase in "$@"; do
   echo "== $phase $(date +%T)"
@@ -57,16 +63,20 @@ for phase in "$@"; do
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
     side-1gpu)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 1b-1gpu-fp8 --out "$results" 2>&1 | tail -4 ;;
     side-2gpu)  python3 bench/side_by_side.py --titan .titan 1b-2gpu-bf16 8b-2gpu-mb2-bf16 --out "$results" 2>&1 | tail -4 ;;
-    restart*)   python3 bench/restart.py --name "restart-1b-1gpu-$BENCH_COMMIT${phase#restart}" --out "$results" 2>&1 | tail -8 ;;
+    restart*)   python3 bench/restart.py --name "restart-1b-1gpu-$BENCH_COMMIT${phase#restart}" --out "$results" $RESTART_ARGS \
+                  2>&1 | tail -8 ;;
     head-bf16*) python3 bench/throughput.py 1b-1gpu --name "ours-1b-1gpu-bf16-$BENCH_COMMIT${phase#head-bf16}" \
                   --out "$results" 2>&1 | tail -4 ;;
     attention)  python3 bench/attention_check.py --name "attention-gqa-$BENCH_COMMIT" --out "$results" 2>&1 | tail -30 ;;
     side-bf16)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 --suffix="-$BENCH_COMMIT" --out "$results" \
                   2>&1 | tail -4 ;;
-    ab-bf16)    rm -rf /tmp/ab && mkdir /tmp/ab && cp -r pretrain conf pyproject.toml /tmp/ab/ \
-                  && cp .ab/llama.py /tmp/ab/pretrain/models/llama.py \
-                  && python3 bench/throughput.py 1b-1gpu --repo /tmp/ab --name "ours-1b-1gpu-bf16-ab-$BENCH_COMMIT" \
+    ab-bf16)    ab_tree && python3 bench/throughput.py 1b-1gpu --repo /tmp/ab --name "ours-1b-1gpu-bf16-ab-$BENCH_COMMIT" \
                   --out "$results" 2>&1 | tail -4 ;;
+    ab-restart*) ab_tree && python3 bench/restart.py --repo /tmp/ab --name "restart-1b-1gpu-ab-$BENCH_COMMIT${phase#ab-restart}" \
+                  --out "$results" $RESTART_ARGS 2>&1 | tail -8 ;;
+    compile-site)  # give the image's packages the bytecode it lacks, as an image built with it has
+                python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+                  > /dev/null 2>&1; echo "compileall exit $?" ;;
     correctness) python3 bench/correctness.py --runs-of bf16 fp32-seed2 --name "correctness-$BENCH_COMMIT" --out "$results" \
                   2>&1 | tail -8 ;;
     startup-profile)  # where a cold and a requeued start-up go (sampled, so slower than restart's figures)

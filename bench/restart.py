@@ -74,7 +74,8 @@ def run_series(args: argparse.Namespace, series: int) -> list[dict[str, Any]]:
         overrides = [*BASE, f"train.steps={steps}", f"train.stop_at_step={args.every * (index + 1)}", *cache,
                      *args.overrides]
         log = args.out / f"{args.name}-{series}-{index}.log"
-        ran = common.launch(overrides, run_dir, args.timeout, log, wrapper=profiler(args.py_spy, log.with_suffix(".speedscope.json")))
+        ran = common.launch(overrides, run_dir, args.timeout, log, args.repo.resolve(),
+                            wrapper=profiler(args.py_spy, log.with_suffix(".speedscope.json")))
         found = startups(run_dir)
         record = found[index] if len(found) > index else {}
         jobs.append({"job": job, "series": series, **ran, "startup_s": record.get("startup_s"),
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--skip-empty-cache", action="store_true", help="leave out the third job")
+    parser.add_argument("--repo", type=Path, default=common.REPO, help="the package tree to run (for an A/B)")
     parser.add_argument("--repeats", type=int, default=1, help="series of jobs; the figures are their medians")
     parser.add_argument("--py-spy", metavar="PATH", help="sample each job with this py-spy (NAME-S-J.speedscope.json beside its log; "
                         "summarised by bench/startup_profile.py; profiled start-ups are slower)")

@@ -78,3 +78,35 @@ def test_float8_model_computes_what_bf16_computes_within_fp8_rounding(recipe):
     got.logsumexp(-1).mean().backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_path, monkeypatch):
+    """Each reading thread copies on a CUDA stream of its own (ParallelReader): every weight and optimizer
+    value arrives, and training's stream sees them, however the copies interleave."""
+    from pretrain.config import ModelConfig
+    from pretrain.trainer import checkpoint
+    from tests import helpers
+
+    monkeypatch.setattr(checkpoint, "writer_threads", lambda: 4)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8))).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.randn(4, 1024, device="cuda")).sum().backward()
+    optimizer.step()
+    with helpers.one_process_group():
+        saver = checkpoint.Checkpointer(tmp_path, keep=1, device=torch.device("cuda"))
+        path = saver.save(1, model, optimizer, {"step": 1}, ModelConfig(), "hash")
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+                optimizer.state[p]["exp_avg_sq"].zero_()
+        saver.load(path, model, optimizer)
+        summed = sum(p.sum() for p in model.parameters())  # on training's stream, right after the load
+        assert summed == sum(v.sum() for v in expected.values())
+    assert len(list(path.glob("*.distcp"))) == 4
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    for p, moment in zip(model.parameters(), moments):
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], moment)

@@ -81,8 +81,8 @@ def test_float8_model_computes_what_bf16_computes_within_fp8_rounding(recipe):
 
 
 def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_path, monkeypatch):
-    """Each reading thread copies on a CUDA stream of its own (ParallelReader): every weight and optimizer
-    value arrives, and training's stream sees them, however the copies interleave."""
+    """ParallelReader's threads copy the files' tensors into the GPU side by side: every weight and
+    optimizer value arrives, and training's stream sees them."""
     from pretrain.config import ModelConfig
     from pretrain.trainer import checkpoint
     from tests import helpers

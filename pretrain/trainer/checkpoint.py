@@ -160,14 +160,8 @@ class ParallelReader(dcp.FileSystemReader):
 
     FileSystemReader reads one file after the other, each tensor with torch.load and a copy into
     its target; both release the GIL, so the files (`writer_threads` per rank) read in parallel.
-    Each file's items go through FileSystemReader's own read_data, unchanged. Into a GPU, each
-    thread copies on a CUDA stream of its own: on the one stream they share, every blocking copy from
-    host memory waited for all the others', and the files' copies ran one at a time.
+    Each file's items go through FileSystemReader's own read_data, unchanged.
     """
-
-    def __init__(self, path: str, device: torch.device | None = None) -> None:
-        super().__init__(path)
-        self.device = device or torch.device("cpu")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         per_file: dict[str, list] = {}
@@ -175,20 +169,11 @@ class ParallelReader(dcp.FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         parts = [replace(plan, items=items) for items in per_file.values()]
         with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-            for done in pool.map(lambda part: self._read_part(part, planner), parts):
+            for done in pool.map(lambda part: super(ParallelReader, self).read_data(part, planner), parts):
                 done.wait()
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
-
-    def _read_part(self, part: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        if self.device.type != "cuda":
-            return super().read_data(part, planner)
-        stream = torch.cuda.Stream(self.device)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            done = super().read_data(part, planner)
-        stream.synchronize()  # the targets are written before training's stream uses them
-        return done
 
 
 def written_by(folder: Path, rank: int) -> list[str]:
@@ -325,13 +310,12 @@ class Checkpointer:
         self.root = root
         self.keep = keep
         self.async_save = async_save
-        self.device = device or torch.device("cpu")
         self.pending: PendingSave | None = None
         self.phases: dict[str, float] = {}  # seconds of the last save's parts, for the log
         self._published: Published | None = None  # the newest save published and not yet collected
         if async_save:
             self._group = _cpu_group()
-            self._staging = HostStaging(self.device)
+            self._staging = HostStaging(device or torch.device("cpu"))
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
             self._prepared: Future | None = None
 
@@ -460,7 +444,7 @@ class Checkpointer:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=ParallelReader(str(path), self.device))
+        dcp.load(state, storage_reader=ParallelReader(str(path)))
         set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved

@@ -6,7 +6,7 @@
 bench/restart.py --py-spy records each job in speedscope's format, idle time included (a thread
 waiting on a file or the GPU is still the start-up's time). This reads each record's rank (the
 process that runs pretrain/train.py), keeps its main thread's samples from the process's start to the
-first `Trainer.started` (the end of the first step), and writes the seconds of the package's
+end of the first step (its first sample in the loop's code after a step), and writes the seconds of the package's
 frames, of its calls into other code (torch, importlib), and of the modules whose import took
 longest. Writes NAME.json and NAME.md under --out.
 
@@ -28,7 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ENTRY = "pretrain/train.py"
-END = "Trainer.started"
+# Frames of the loop after a step's train_step returns: the first sample in one ends the start-up.
+# (Trainer.started alone, which marks it in the loop, is too short to be sampled reliably.)
+AFTER_A_STEP = ("Trainer.started", "StepWatchdog.beat", "Progress.step_done", "StopRequest.agreed", "Trainer.report",
+                "Trainer.save")
 IMPORT = "_find_and_load"
 
 
@@ -56,7 +59,7 @@ def rank_samples(profile_doc: dict[str, Any]) -> tuple[list[list[str]], list[flo
 
 def until_first_step(stacks: list[list[str]], weights: list[float]) -> tuple[list[list[str]], list[float]]:
     for index, stack in enumerate(stacks):
-        if any(frame.startswith(END + " ") for frame in stack):
+        if any(frame.split(" (", 1)[0] in AFTER_A_STEP for frame in stack):
             return stacks[:index], weights[:index]
     return stacks, weights
 

@@ -5,10 +5,10 @@ otherwise compiles the source again, in every process. Many images keep none: PY
 is a common line in container recipes, `pip install --no-compile` writes none, and a read-only image
 (Apptainer's SIF) cannot gain any at run time. A job then compiles torch, sympy and triton from source
 at every start and in every rank and compile worker: on the GPU machine of bench/NOTES.md, whose
-image is such a one, importing the trainer took 8.1 s. Where torch has no bytecode beside it, the job
-keeps its own under RUN_DIR/cache/python (rundir.BYTECODE_CACHE), which every later process, requeued
-job and node of the run reads; Python checks each file against its source's time and size, and writes
-it atomically, so ranks may share it.
+image is such a one, importing the trainer took 8.1 s. Where torch has no bytecode and Python may not
+write it, the job keeps its own under RUN_DIR/cache/python (rundir.BYTECODE_CACHE), which every later
+process, requeued job and node of the run reads; Python checks each file against its source's time and
+size, and writes it atomically, so ranks may share it.
 
 Standard library only: it runs before the trainer imports anything heavy.
 """

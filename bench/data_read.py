@@ -1,6 +1,6 @@
 """What reading a micro-batch costs the training loop: one file, shards, and a mixture of sharded datasets.
 
-    python bench/data_read.py [--tokens 50000000] [--name data-read]
+    python bench/data_read.py [--tokens 50000000] [--name data-read] [--out bench/results]
 
 The same random tokens written as a dataset of format 1 (one train.bin), as 64 shards, and as a
 mixture of three such sharded datasets; then `get_batch` of micro-batches of 8 x 4,096 tokens (the
@@ -23,6 +23,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import common  # noqa: E402
 
 from pretrain.data.dataset import TokenDataset  # noqa: E402
 from pretrain.data.layout import SHARDS_DIR, shard_bin, write_json  # noqa: E402
@@ -65,6 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=50_000_000)
     parser.add_argument("--name", default="data-read")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
     args = parser.parse_args()
     tokens = np.random.default_rng(0).integers(0, 32768, args.tokens, dtype=np.uint16)
     with tempfile.TemporaryDirectory() as scratch:
@@ -74,15 +78,13 @@ def main() -> int:
         sources = {name: TokenDataset(sharded(root / name, tokens)) for name in ("web", "code", "math")}
         cases[f"mixture of 3 x {SHARDS} shards"] = MixtureDataset(sources, {"web": 70, "code": 20, "math": 10})
         results = {name: seconds_per_batch(data) for name, data in cases.items()}
-    lines = [f"# Reading one micro-batch ({MICRO_BATCH} x {SEQ_LEN} tokens) on the CPU", "",
-             f"{args.tokens:,} tokens per dataset, {CALLS} micro-batches of successive samples after a warm-up.", "",
+    lines = [f"Reading one micro-batch ({MICRO_BATCH} x {SEQ_LEN} tokens) on the CPU: {args.tokens:,} tokens per "
+             f"dataset, {CALLS} micro-batches of successive samples after a warm-up.", "",
              "| layout | ms per micro-batch |", "|---|---|"]
     lines += [f"| {name} | {seconds * 1e3:.3f} |" for name, seconds in results.items()]
-    record = {"micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "tokens": args.tokens,
-              "seconds_per_micro_batch": results}
-    results_dir = REPO / "bench" / "results"
-    (results_dir / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (results_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    record = {"name": args.name, **common.stamp(), "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN,
+              "tokens": args.tokens, "seconds_per_micro_batch": results}
+    common.write_result(args.out, args.name, record, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+import common
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 CORPUS = BENCH / "corpus"
@@ -173,7 +175,7 @@ def main() -> int:
             sink.write(zstandard.ZstdDecompressor().decompress(path.read_bytes(), max_output_size=1 << 31))
     machine = f"{platform.node()}, {os.cpu_count()} CPUs ({_cpu_model()}), Python {platform.python_version()}"
     record = {"machine": machine,
-              "date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(), "corpus": json.loads(
+              "date": time.strftime("%Y-%m-%d %H:%M"), "commit": common.commit(), "corpus": json.loads(
                   (CORPUS / "manifest.json").read_text()), "tokenizer": "byte-level BPE, 32,768 tokens, trained on "
               "the corpus's first 20 MB", "uptime_before": uptime(), "rounds": []}
     for _ in range(args.repeats):  # the machine is shared: every round measures everything, the best counts
@@ -253,11 +255,6 @@ def _cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor()
-
-
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -35,8 +34,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import throughput  # noqa: E402
 
 REPO = common.REPO
+sys.path.insert(0, str(REPO))
+
+from pretrain.launcher.slurm import ACTIVE_STATES  # noqa: E402
+
 CLUSTER_SCRIPT = REPO / "tests" / "slurm" / "localcluster.sh"
 PORTS = {"LOCALCLUSTER_CTLD_PORT": "18817", "LOCALCLUSTER_DBD_PORT": "18819", "LOCALCLUSTER_SLURMD_PORT": "18901"}
 # What the device tool's GPU machines need kept off (their KINDS.md): it reaches the jobs through cluster.env.
@@ -90,7 +94,7 @@ class Cluster:
         state = "UNKNOWN"
         while time.monotonic() < deadline:
             state = self.job(job_id).get("JobState", "UNKNOWN")
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            if state != "UNKNOWN" and state not in ACTIVE_STATES:  # an end state
                 return state
             time.sleep(1)
         return f"still {state} after {timeout:.0f} s"
@@ -137,11 +141,8 @@ def wait_for_step(run_dir: Path, step: int, timeout: float) -> bool:
 
 
 def steady(run_dir: Path, measure_from: int) -> float | None:
-    """Mean tokens/s per GPU over the logged windows after step measure_from (of the newest attempt)."""
-    windows = [r for r in common.metrics(run_dir) if "tokens_per_s_per_device" in r and r["step"] > measure_from]
-    if not windows:
-        return None
-    return statistics.fmean(r["tokens_per_s_per_device"] for r in windows)
+    """Tokens/s per GPU over the logged windows after step measure_from, as bench/throughput.py weighs them."""
+    return throughput.steady_state(common.metrics(run_dir), measure_from).get("tokens_per_s_per_gpu")
 
 
 def preflight(run_dir: Path) -> list[dict[str, Any]]:

@@ -59,15 +59,15 @@ def check_data(cfg: Config) -> None:
             raise DataError(f"the built-in corpus is tokenized into {needed} byte-level ids, but model.vocab_size="
                             f"{cfg.model.vocab_size}; use model.vocab_size={needed} or more, or data.path=DIR")
         return
-    for split in ("train", "val"):
-        datasets = _open(cfg, split)
+    opened = {split: _open(cfg, split) for split in ("train", "val")}
+    for split, datasets in opened.items():
         for dataset in datasets.values():
             if split == "train" or dataset.num_tokens > 0:
                 dataset.check(cfg.train.seq_len, cfg.model.vocab_size)
         if len(datasets) > 1:
             check_compatible(datasets)
     if cfg.data.mix:
-        open_train(cfg)  # the weights as whole samples of a block
+        _mixture(cfg, opened["train"])  # the weights as whole samples of a block
 
 
 def check_prompts(cfg: Config) -> None:
@@ -121,8 +121,12 @@ def open_train(cfg: Config):
     if cfg.data.synthetic:
         return SyntheticDataset(cfg.model.vocab_size, cfg.train.seed)
     if cfg.data.mix:
-        return MixtureDataset(_open(cfg, "train"), {name: source.weight for name, source in cfg.data.mix.items()})
+        return _mixture(cfg, _open(cfg, "train"))
     return TokenDataset(data_dir(cfg), "train")
+
+
+def _mixture(cfg: Config, sources: dict[str, TokenDataset]) -> MixtureDataset:
+    return MixtureDataset(sources, {name: source.weight for name, source in cfg.data.mix.items()})
 
 
 def open_val(cfg: Config) -> dict[str, TokenDataset]:

@@ -83,6 +83,12 @@ def one_process_group(backend: str = "gloo"):
     try:
         yield
     finally:
+        # A gloo worker thread drops a finished all_gather's tensors just after the caller got its result,
+        # and needs the GIL for that; torch 2.7 joins those threads holding the GIL when it destroys the
+        # group, so a group destroyed at once after a collective deadlocked (seen once in CI: the worker
+        # in ~AsyncAllgatherWork waiting for the GIL, the main thread in ~ProcessGroupGloo). A barrier's
+        # wait lets the workers finish first.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -32,8 +32,12 @@ def build_mesh(cfg: FSDPConfig, device: torch.device, world_size: int, local_wor
 
 
 def mixed_precision(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
-    """Compute in param_dtype; master weights and gradient reduction stay fp32."""
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    """Compute in param_dtype; master weights and gradient reduction stay fp32.
+
+    Forward inputs are not cast: the activations already come in param_dtype from the layer before,
+    and the other floating input of each block is RoPE's table, which the model keeps in fp32 (cast
+    to bf16, positions near 4096 rotated with errors of about 2^-9)."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

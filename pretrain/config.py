@@ -60,6 +60,9 @@ class FSDPConfig:
     # compiles in seconds: null is the run directory's cache/compile; a folder (relative: to the run
     # directory) to share one between runs, or to keep the small files off a parallel filesystem.
     compile_cache: Optional[str] = None
+    # One process trains the model without FSDP (fp32 master weights and a compute-dtype copy: FSDP2's
+    # numerics without its copies, pretrain/parallel/master_weights.py); true wraps it in FSDP2 anyway.
+    wrap_single_rank: bool = False
 
 
 @dataclass

@@ -45,6 +45,7 @@ fsdp:
   activation_checkpointing: none
   compile: false
   compile_cache: null
+  wrap_single_rank: false
 precision:
   name: auto
   float8: none

@@ -34,8 +34,23 @@ def last_step_record(run_dir: Path) -> dict:
     return [r for r in metrics(run_dir) if "loss" in r][-1]
 
 
+def step_values(run_dir: Path, key: str) -> dict[int, float]:
+    """step -> the value of `key` in metrics.jsonl, for the records that have it."""
+    return {r["step"]: r[key] for r in metrics(run_dir) if key in r}
+
+
 def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+    return step_values(run_dir, "loss")
+
+
+def launch_plain_and_wrapped(root: Path, *overrides: str) -> dict[str, subprocess.CompletedProcess]:
+    """The same one-process run twice, into root/plain (without FSDP2, the default) and root/wrapped
+    (fsdp.wrap_single_rank=true); each must succeed. Returns both results by name."""
+    results = {}
+    for name, extra in (("plain", ()), ("wrapped", ("fsdp.wrap_single_rank=true",))):
+        results[name] = launch(*overrides, *extra, f"hydra.run.dir={Path(root) / name}")
+        assert results[name].returncode == 0, results[name].stderr + results[name].stdout
+    return results
 
 
 def assert_same_losses(got: dict[int, float], expected: dict[int, float], steps) -> None:
@@ -110,10 +125,10 @@ def checkpointed_run(run_dir: Path, *overrides: str, step: int = 1):
     write_run(cfg)
     cpu = torch.device("cpu")
     with one_process_group():
-        model = build_model(cfg, cpu, build_mesh(cfg.fsdp, cpu, 1, 1))
+        model = build_model(cfg, cpu, build_mesh(cfg.fsdp, cpu, 1, 1)).weights
         Checkpointer(Path(run_dir) / "checkpoints", keep=1).save(step, model, build_optimizer(model, cfg.optim, cpu),
                                                                  {"step": step}, cfg.model, "test")
-        weights = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+        weights = model.state_dict()  # one process: the model is not sharded
     plain = Transformer(cfg.model)
     plain.load_state_dict(weights)
     return plain.eval()

@@ -98,7 +98,7 @@ def test_a_checkpoint_of_two_processes_exports_as_the_same_weights_saved_by_one(
     saved_by_two = rundir.checkpoint_of(two)
     cfg, cpu = rundir.load_config(one), torch.device("cpu")
     with one_process_group():
-        model = build_model(cfg, cpu, build_mesh(cfg.fsdp, cpu, 1, 1))
+        model = build_model(cfg, cpu, build_mesh(cfg.fsdp, cpu, 1, 1)).weights
         optimizer = build_optimizer(model, cfg.optim, cpu)
         checkpointer = Checkpointer(one / "checkpoints", keep=1)
         state = checkpointer.load(saved_by_two, model, optimizer)

@@ -16,7 +16,7 @@ from pretrain.data import source
 from pretrain.hf import weights
 from pretrain.hf.export import export
 from pretrain.models.llama import cross_entropy
-from tests.helpers import MINI_MODEL, checkpointed_run, launch, losses, snapshot
+from tests.helpers import MINI_MODEL, checkpointed_run, launch, launch_plain_and_wrapped, losses, snapshot
 
 pytest.importorskip("safetensors")
 
@@ -140,3 +140,21 @@ def test_init_from_is_made_absolute_and_bound_into_the_container(tmp_path, expor
     preparation.check_config(cfg, world_of(cfg))
     assert cfg.model.init_from == str(exported[0].resolve())
     assert cfg.model.init_from in container.extra_binds(cfg)
+
+
+def test_one_bf16_process_computes_its_first_step_with_the_weights_it_started_from(tmp_path, exported):
+    """Unwrapped (one process), the weights go into the fp32 masters and the bf16 copy must follow them:
+    step 1's loss is the exported model's in bf16, as FSDP2 at one rank computes it. (Another seed than the
+    export's, so that the run's own random weights differ from those it starts from.)"""
+    folder, model = exported
+    run = (*MINI_MODEL, "train.micro_batch=4", "train.steps=1", "train.log_every=1", "train.eval_every=0",
+           "train.seed=7", "precision=bf16", f"model.init_from={folder}")
+    launch_plain_and_wrapped(tmp_path, *run)
+    first_losses = [losses(tmp_path / name)[1] for name in ("plain", "wrapped")]
+    cfg = rundir.load_config(tmp_path / "plain")
+    inputs, targets = source.open_train(cfg).get_batch(range(config.global_batch(cfg.train, 1)), cfg.train.seq_len,
+                                                       cfg.train.seed)
+    with torch.no_grad():
+        fp32 = cross_entropy(model(torch.from_numpy(inputs)), torch.from_numpy(targets)).item()
+    assert first_losses[0] == first_losses[1]
+    assert first_losses[0] == pytest.approx(fp32, abs=2e-2)  # bf16 against fp32: close, not equal

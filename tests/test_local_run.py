@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pretrain.parallel.compat import CPU_ALL_REDUCE
-from tests.helpers import MINI_MODEL, last_step_record, launch, losses, metrics
+from tests.helpers import MINI_MODEL, last_step_record, launch, losses, metrics, step_values
 
 # The mini model with a higher learning rate: learning shows within 16 steps (5.9 -> 4.0), in seconds.
 SHORT = (*MINI_MODEL, "optim.lr=3e-3", "optim.warmup_steps=4", "train.micro_batch=8", "train.steps=16",
@@ -60,10 +60,6 @@ def test_hybrid_shard_on_a_2x2_mesh(tmp_path):
     assert result.returncode == 0, result.stderr + result.stdout
     assert "world size 4" in result.stdout
     assert_learns(run_dir, drop=0.8)
-
-
-def step_values(run_dir, key: str) -> list[float]:
-    return [r[key] for r in metrics(run_dir) if key in r]
 
 
 EXACT = ("train.steps=3", "train.log_every=1", "precision=fp32", "train.micro_batch=4", "train.global_batch=16")

@@ -6,11 +6,14 @@ Sharding strategies map onto FSDP2 (`fully_shard`) as follows:
   shard_grad_op  1-D mesh, parameters kept gathered between forward and backward
   hybrid_shard   2-D mesh (replicate, shard): replicate across groups, shard within one
   no_shard       2-D mesh (world, 1): every rank holds everything, gradients all-reduced
+One process (any strategy) trains without FSDP unless fsdp.wrap_single_rank says otherwise
+(pretrain.parallel.master_weights: the same numerics, without FSDP2's copies).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -21,8 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from pretrain.config import ConfigError, FSDPConfig, mesh_shape
 from pretrain.parallel import float8
 from pretrain.parallel.compat import reduce_gloo_gradients_by_sum
+from pretrain.parallel.master_weights import MasterWeights
 
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def build_mesh(cfg: FSDPConfig, device: torch.device, world_size: int, local_world_size: int) -> DeviceMesh:
@@ -129,17 +133,48 @@ def sync_gradients(model: nn.Module, mesh: DeviceMesh, last_micro_batch: bool) -
     dimension of a 2-D mesh (hybrid_shard between nodes, no_shard) gradients are all-reduced
     only after the last micro-batch.
     """
-    if mesh.ndim == 2:
+    if mesh.ndim == 2 and isinstance(model, FSDPModule):
         model.set_requires_all_reduce(last_micro_batch)
 
 
+def unwrapped(cfg: FSDPConfig, world_size: int) -> bool:
+    """Whether the model trains without FSDP: one process, unless fsdp.wrap_single_rank."""
+    return world_size == 1 and not cfg.wrap_single_rank
+
+
+@dataclass
+class Parallelized:
+    """A model ready to train. `model` runs forward and backward; `weights` holds the parameters the
+    optimizer updates, checkpoints keep, and clipping and finite checks read. Under FSDP2, and unwrapped
+    in the weights' own dtype, the two are one module; unwrapped in a lower precision, `weights` is the
+    fp32 master model and `model` its compute copy (`master`)."""
+
+    model: nn.Module
+    weights: nn.Module
+    master: MasterWeights | None = None
+
+    def weights_changed(self) -> None:
+        """Call after the optimizer stepped or the weights were loaded: the compute copy follows."""
+        if self.master is not None:
+            self.master.refresh()
+
+
 def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype,
-                float8_recipe: str = "none") -> nn.Module:
+                float8_recipe: str = "none") -> Parallelized:
     """In this order: FP8 layers replace nn.Linear before anything wraps them; activation
-    checkpointing wraps blocks before compile traces them; FSDP2 shards what compile produced."""
+    checkpointing wraps blocks before compile traces them; FSDP2 shards what compile produced.
+    Unwrapped (one process) in a precision below the weights', all of that applies to the compute copy."""
+    weights, master = model, None
+    one_process = unwrapped(cfg, mesh.size())
+    if one_process and param_dtype != next(model.parameters()).dtype:
+        master = MasterWeights(model, param_dtype)
+        model = master.compute
     float8.convert(model, float8_recipe)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
-    apply_fsdp(model, mesh, cfg.strategy, param_dtype)
-    return model
+    if master is not None:
+        master.track_gradients()
+    elif not one_process:
+        apply_fsdp(model, mesh, cfg.strategy, param_dtype)
+    return Parallelized(model, weights, master)

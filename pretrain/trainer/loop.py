@@ -37,7 +37,8 @@ from pretrain.hf import weights as hf_weights
 from pretrain.models.llama import Transformer
 from pretrain.models.sampling import continue_text
 from pretrain.parallel import float8
-from pretrain.parallel.parallelize import build_mesh, parallelize, persist_compile_cache, sync_gradients
+from pretrain.parallel.parallelize import (Parallelized, build_mesh, parallelize, persist_compile_cache,
+                                           sync_gradients, unwrapped)
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
 from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience
@@ -71,19 +72,23 @@ class TrainState:
     restarts: int = 0
 
 
-def build_model(cfg: Config, device: torch.device, mesh) -> torch.nn.Module:
+def build_model(cfg: Config, device: torch.device, mesh) -> Parallelized:
+    """The model, initialised and parallelized. Small ones, and any that one process trains whole, are
+    initialised at full size on the device; larger ones on the meta device, then shard by shard."""
     torch.manual_seed(cfg.train.seed)
-    small = flops.parameter_count(cfg.model) <= FULL_INIT_MAX_PARAMS
-    with torch.device(device if small else "meta"):
+    whole = (flops.parameter_count(cfg.model) <= FULL_INIT_MAX_PARAMS
+             or unwrapped(cfg.fsdp, mesh.size()))
+    with torch.device(device if whole else "meta"):
         model = Transformer(cfg.model)
-    if small:
+    if whole:
         model.init_weights()
-    parallelize(model, cfg.fsdp, mesh, precision.compute_dtype(cfg.precision.name, device), cfg.precision.float8)
-    if not small:
+    parallel = parallelize(model, cfg.fsdp, mesh, precision.compute_dtype(cfg.precision.name, device),
+                           cfg.precision.float8)
+    if not whole:
         model.to_empty(device=device)
         model.init_weights()
-    model.to(device)  # non-persistent buffers (RoPE) of the fully-initialised path
-    return model
+    parallel.model.to(device)  # non-persistent buffers (RoPE) of the fully-initialised path
+    return parallel
 
 
 def config_hash(cfg: Config) -> str:
@@ -122,9 +127,10 @@ class Trainer:
         self.precision = precision.resolve(cfg.precision.name, device)
         if self.precision == "fp32" and device.type == "cuda":
             precision.allow_tf32()
-        self.model = build_model(cfg, device, self.mesh)
+        self.parallel = build_model(cfg, device, self.mesh)
+        self.model, self.weights = self.parallel.model, self.parallel.weights
         self.clock.mark("model")
-        self.optimizer = build_optimizer(self.model, cfg.optim, device)
+        self.optimizer = build_optimizer(self.weights, cfg.optim, device)
         self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
         self.skips = SkippedSteps(cfg.train.max_bad_steps, loss_scaled=self.scaler.enabled)
         self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.enabled
@@ -164,7 +170,7 @@ class Trainer:
                 if step == self.progress.first_step + 1:
                     self.started(step)
                     watchdog.start()  # after the first step: compile and warm-up are bounded by the collective timeout
-                    self.checkpointer.prepare(self.model, self.optimizer)
+                    self.checkpointer.prepare(self.weights, self.optimizer)
                 watchdog.beat(step)
                 self.progress.step_done()
                 if step % train.log_every == 0 or step == train.steps:
@@ -199,7 +205,7 @@ class Trainer:
             loss = self.loss_fn(self.model(inputs), targets) / self.accum
             self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.weights.parameters() if p.requires_grad]
         self.faults.after_backward(params, self.state.step + 1, self.env.is_main)
         self.scaler.unscale_(params)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
@@ -208,6 +214,7 @@ class Trainer:
         stepped = self.skips.step(self.optimizer, norm, self.state.step + 1, on_device=self.skip_on_device)
         if stepped is not None:
             self.scaler.update(stepped)
+        self.parallel.weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.samples += self.global_batch
@@ -242,8 +249,16 @@ class Trainer:
         log.info("training %s: %s parameters, world size %d, global batch %d = %d micro-batch%s of %d per rank, "
                  "precision %s%s, fsdp %s, activation checkpointing %s", self.cfg.model.name,
                  f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size, self.global_batch, self.accum,
-                 "" if self.accum == 1 else "es", train.micro_batch, self.precision, fp8, self.cfg.fsdp.strategy,
+                 "" if self.accum == 1 else "es", train.micro_batch, self.precision, fp8, self.sharding(),
                  self.cfg.fsdp.activation_checkpointing)
+
+    def sharding(self) -> str:
+        """What the start line says of FSDP."""
+        if not unwrapped(self.cfg.fsdp, self.env.world_size):
+            return self.cfg.fsdp.strategy
+        if self.parallel.master is None:
+            return "off (one process)"
+        return f"off (one process: fp32 master weights, a {self.precision} copy computes)"
 
     def report(self, loss_t: torch.Tensor, grad_norm: torch.Tensor) -> float:
         """The log line and record of this step (every train.log_every); returns the mean loss."""
@@ -373,13 +388,15 @@ class Trainer:
         if self.cfg.model.init_from is None:
             return
         started = time.perf_counter()
-        hf_weights.load(self.model, self.cfg.model, Path(self.cfg.model.init_from))
+        hf_weights.load(self.weights, self.cfg.model, Path(self.cfg.model.init_from))
+        self.parallel.weights_changed()
         log.info("started from the weights of %s (read in %.1f s)", self.cfg.model.init_from,
                  time.perf_counter() - started)
 
     def load(self, path: Path) -> None:
         started = time.perf_counter()
-        saved = self.checkpointer.load(path, self.model, self.optimizer)
+        saved = self.checkpointer.load(path, self.weights, self.optimizer)
+        self.parallel.weights_changed()
         seconds = time.perf_counter() - started
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
         self.state.restarts += 1
@@ -405,14 +422,14 @@ class Trainer:
         self.skips.settle()
         self.checkpoint_done(self.collect_checkpoint(wait=True))
         started = time.perf_counter()
-        if not params_finite(self.model, self.device):
+        if not params_finite(self.weights, self.device):
             raise TrainingError(f"parameters are not finite at step {self.state.step}: refusing to write a checkpoint "
                                 "(the previous one is intact)")
         checked = time.perf_counter() - started
         self.state.skipped_steps, self.state.bad_in_a_row = self.skips.skipped, self.skips.in_a_row
         extra = {"scaler": self.scaler.state_dict()} if self.scaler.enabled else {}
         try:
-            path = self.checkpointer.save(self.state.step, self.model, self.optimizer,
+            path = self.checkpointer.save(self.state.step, self.weights, self.optimizer,
                                           {**asdict(self.state), **extra}, self.cfg.model, config_hash(self.cfg))
         except CheckpointWriteError as error:
             raise self.save_failed(error) from None

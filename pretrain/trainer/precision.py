@@ -1,7 +1,8 @@
 """Precision: which dtype the model computes in, and fp16's dynamic loss scaling.
 
 Master weights, optimizer state and gradient reductions are fp32 in every mode; only the
-compute dtype changes (FSDP2's MixedPrecisionPolicy casts parameters at all-gather time).
+compute dtype changes (FSDP2's MixedPrecisionPolicy casts parameters at all-gather time; one process
+without FSDP2 keeps a copy in the compute dtype, pretrain.parallel.master_weights).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ Standard library only: it runs before the trainer imports anything heavy.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -26,10 +27,9 @@ from pretrain import rundir
 PROBE = "torch"
 
 
-def has_bytecode(module: str) -> bool:
-    """Whether `module` (found, not imported) has the bytecode an import would read; True where there is
-    nothing to read it from (a built-in or frozen module, or no such module)."""
-    spec = importlib.util.find_spec(module)
+def has_bytecode(spec: importlib.machinery.ModuleSpec | None) -> bool:
+    """Whether the module of `spec` (found, not imported) has the bytecode an import would read; True where
+    there is nothing to read it from (a built-in or frozen module, or no such module)."""
     if spec is None or not spec.cached:
         return True
     return Path(spec.cached).is_file()
@@ -39,12 +39,13 @@ def writes_none(module: str) -> bool:
     """Whether this interpreter will neither find nor write bytecode for `module`: none is there, and
     bytecode is switched off or its folder is read-only. (Where Python may write it, the first process
     that imports the module does, as usual.)"""
-    if has_bytecode(module):
+    spec = importlib.util.find_spec(module)
+    if has_bytecode(spec):
         return False
     if sys.dont_write_bytecode:
         return True
     # Where it would be written: beside the source, or under a PYTHONPYCACHEPREFIX (made as needed).
-    folder = Path(sys.pycache_prefix) if sys.pycache_prefix else Path(importlib.util.find_spec(module).origin).parent
+    folder = Path(sys.pycache_prefix) if sys.pycache_prefix else Path(spec.origin).parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return not os.access(folder, os.W_OK)

@@ -4,7 +4,7 @@
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness
-#                        |startup-profile|compile-site
+#                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -61,10 +61,17 @@ for phase in "$@"; do
                 python3 bench/hf_roundtrip.py --gpus $gpus --out "$results" 2>&1 | tail -24 ;;
     1b-mb*)     mb=${phase#1b-mb}
                 python3 bench/throughput.py 1b-1gpu --name 1b-1gpu-mb$mb --out "$results" train.micro_batch=$mb 2>&1 | tail -4 ;;
-    side-1gpu)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 1b-1gpu-fp8 --out "$results" 2>&1 | tail -4 ;;
+    side-1gpu)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 1b-1gpu-fp8 --suffix="-$BENCH_COMMIT" --out "$results" \
+                  2>&1 | tail -6 ;;
     side-2gpu)  python3 bench/side_by_side.py --titan .titan 1b-2gpu-bf16 8b-2gpu-mb2-bf16 --out "$results" 2>&1 | tail -4 ;;
     restart*)   python3 bench/restart.py --name "restart-1b-1gpu-$BENCH_COMMIT${phase#restart}" --out "$results" $RESTART_ARGS \
                   2>&1 | tail -8 ;;
+    wrapped-bf16*)  # the same tree with FSDP2 at one rank (the A side of attempt 26)
+                python3 bench/throughput.py 1b-1gpu --name "ours-1b-1gpu-bf16-wrapped-$BENCH_COMMIT${phase#wrapped-bf16}" \
+                  --out "$results" fsdp.wrap_single_rank=true 2>&1 | tail -4 ;;
+    cdt-bf16)   # Inductor's coordinate-descent tuning of its Triton kernels' launch settings (attempt 27)
+                TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 python3 bench/throughput.py 1b-1gpu \
+                  --name "ours-1b-1gpu-bf16-cdt-$BENCH_COMMIT" --out "$results" 2>&1 | tail -4 ;;
     head-bf16*) python3 bench/throughput.py 1b-1gpu --name "ours-1b-1gpu-bf16-$BENCH_COMMIT${phase#head-bf16}" \
                   --out "$results" 2>&1 | tail -4 ;;
     attention)  python3 bench/attention_check.py --name "attention-gqa-$BENCH_COMMIT" --out "$results" 2>&1 | tail -30 ;;

@@ -24,6 +24,28 @@ def launch(*overrides: str, timeout: float = 600, env: dict[str, str] | None = N
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+SLURM_CLIENTS = ("scontrol", "sbatch", "srun", "scancel", "squeue", "sacct", "salloc")
+
+
+def hidden_slurm_path(tmp_path: Path, hide: tuple[str, ...] = SLURM_CLIENTS) -> str:
+    """PATH with the commands `hide` (by default Slurm's clients, as in a container) gone: every PATH
+    folder that holds one of them is mirrored without them."""
+    folders = []
+    for index, folder in enumerate(os.environ["PATH"].split(os.pathsep)):
+        if not os.path.isdir(folder):
+            continue
+        if not any(os.path.exists(os.path.join(folder, c)) for c in hide):
+            folders.append(folder)
+            continue
+        mirror = tmp_path / f"path-without-{hide[0]}-{index}"
+        mirror.mkdir()
+        for name in os.listdir(folder):
+            if not name.startswith(hide):
+                (mirror / name).symlink_to(os.path.join(folder, name))
+        folders.append(str(mirror))
+    return os.pathsep.join(folders)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -12,7 +12,7 @@ import pytest
 
 from pretrain import launch
 from pretrain.parallel.compat import CPU_ALL_REDUCE
-from tests.helpers import MINI_MODEL, snapshot
+from tests.helpers import MINI_MODEL, hidden_slurm_path, snapshot
 
 CASES = [
     (["model.dim=0"], "model.dim=0: must be greater than 0"),
@@ -175,6 +175,20 @@ def test_dry_run_without_a_cluster_runs_and_writes_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "would train tiny here on 2 x CPU process: 200 steps, global batch 32 sequences" in out
     assert "dry run: nothing was written or run" in out
+    assert not run_dir.exists()
+
+
+def test_off_a_slurm_login_node_a_dry_run_prints_the_job_and_a_submission_says_where_to_submit(
+        tmp_path, capsys, monkeypatch):
+    """Without Slurm's commands (a laptop, a container) the dry run still prints the batch script and notes
+    what is missing; a real submission is refused in one line, before anything is written."""
+    monkeypatch.setenv("PATH", hidden_slurm_path(tmp_path))
+    run_dir = tmp_path / "run"
+    assert launch.main(["+cluster=a100x8", "dry_run=true", f"hydra.run.dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --gpus-per-node=8" in out and "sbatch is NOT on PATH here: submit from a Slurm login node" in out
+    err = refusal(capsys, ["+cluster=a100x8", f"hydra.run.dir={run_dir}"])
+    assert "sbatch is not on PATH: submit from a Slurm login node (or load its module), or use dry_run=true" in err
     assert not run_dir.exists()
 
 

@@ -20,7 +20,7 @@ from pretrain.data.dataset import TokenDataset
 from pretrain.data.errors import DataError
 from pretrain.data.progress import Progress
 from pretrain.data.tokenizer import ByteTokenizer, load_tokenizer
-from tests.helpers import REPO
+from tests.helpers import REPO, hidden_slurm_path
 from tests.test_data import expected_stream, one_line_error, stream_of
 
 pa = pytest.importorskip("pyarrow")
@@ -349,15 +349,18 @@ def test_the_cli_prints_the_dataset_and_its_speed(tmp_path: Path):
     assert refused.returncode == 1 and refused.stderr == "error: --workers 0: must be at least 1\n"
 
 
-def test_a_job_array_dry_run_checks_prints_the_script_and_writes_nothing(tmp_path: Path, capsys):
+def test_a_job_array_dry_run_checks_prints_the_script_and_writes_nothing(tmp_path: Path, capsys, monkeypatch):
+    """Also where Slurm's commands are missing (a laptop): the script is printed, and what is missing noted."""
     from pretrain.data.prepare import main
 
+    monkeypatch.setenv("PATH", hidden_slurm_path(tmp_path))
     write_format(tmp_path / "in", "parquet")
     assert main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "+cluster=a100x8", "cluster.cpus_per_task=4",
                  "--shard-mb", "0.0005", "dry_run=true"]) == 0
     out = capsys.readouterr().out
     assert "#SBATCH --array=0-" in out and "#SBATCH --cpus-per-task=4" in out and "#SBATCH --ntasks-per-node=1" in out
     assert "--gpus" not in out and "# dry run: nothing was written or submitted" in out
+    assert "sbatch is NOT on PATH here" in out
     assert not (tmp_path / "out").exists()
     assert main([str(tmp_path / "in"), "--out", str(tmp_path / "out"), "dry_run=true"]) == 1
     assert "are for a job array: add +cluster=NAME" in capsys.readouterr().err

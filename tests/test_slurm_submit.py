@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import MINI_MODEL, REPO, last_step_record, launch, losses, metrics
+from tests.helpers import MINI_MODEL, REPO, hidden_slurm_path, last_step_record, launch, losses, metrics
 from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -103,7 +103,8 @@ def test_every_shipped_cluster_dry_runs_with_nothing_else(tmp_path, capsys, monk
     from pretrain import launch as launcher
 
     (tmp_path / "pretrain.sif").write_text("stand-in")  # h100x8's image is ~/pretrain.sif; the others run on the host
-    monkeypatch.setenv("PATH", f"{REPO / 'tests' / 'fake_container'}{os.pathsep}{os.environ['PATH']}")
+    # Slurm's commands hidden too: a dry run prints the job on any machine.
+    monkeypatch.setenv("PATH", f"{REPO / 'tests' / 'fake_container'}{os.pathsep}{hidden_slurm_path(tmp_path)}")
     monkeypatch.setenv("HOME", str(tmp_path))
     args = [f"+cluster={name}", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"]
     code = launcher.main(args + ([] if nodes == 1 else [f"cluster.nodes={nodes}"]))
@@ -263,28 +264,6 @@ def test_scontrol_requeue_resumes(slurm_cluster, cluster_conf, tmp_path, uninter
     wait_for_step(run_dir, 12)
     slurm_cluster.run("scontrol", "requeue", job)
     assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
-
-
-SLURM_CLIENTS = ("scontrol", "sbatch", "srun", "scancel", "squeue", "sacct", "salloc")
-
-
-def hidden_slurm_path(tmp_path: Path, hide: tuple[str, ...] = SLURM_CLIENTS) -> str:
-    """PATH with the commands `hide` (by default Slurm's clients, as in a container) gone: every PATH
-    folder that holds one of them is mirrored without them."""
-    folders = []
-    for index, folder in enumerate(os.environ["PATH"].split(os.pathsep)):
-        if not os.path.isdir(folder):
-            continue
-        if not any(os.path.exists(os.path.join(folder, c)) for c in hide):
-            folders.append(folder)
-            continue
-        mirror = tmp_path / f"path-without-{hide[0]}-{index}"
-        mirror.mkdir()
-        for name in os.listdir(folder):
-            if not name.startswith(hide):
-                (mirror / name).symlink_to(os.path.join(folder, name))
-        folders.append(str(mirror))
-    return os.pathsep.join(folders)
 
 
 def test_requeue_works_with_scontrol_hidden_in_a_container(slurm_cluster, tmp_path, uninterrupted_loss):

@@ -173,10 +173,8 @@ def array_tasks(cfg: Config, shards: int, tasks: int | None) -> int:
 def executor(cfg: Config, out: Path, name: str, cpus: int, dependency: str | None = None):
     """A submitit executor for one-task jobs of this cluster (inside its container, if it has one), logging to
     out/slurm/: the same allocation settings, environment and setup lines as training's jobs."""
-    import submitit
-
     python = slurm.python_command(cfg, shlex.quote(str(out)), shlex.quote(sys.executable))
-    made = submitit.SlurmExecutor(folder=out / LOGS_DIR, python=python, max_num_timeout=0)
+    made = slurm.slurm_executor(out / LOGS_DIR, python)
     made.update_parameters(**{**slurm.allocation_parameters(cfg.cluster), "cpus_per_task": cpus}, job_name=name,
                            nodes=1, ntasks_per_node=1, setup=slurm.environment_lines(cfg.cluster),
                            additional_parameters={"dependency": dependency} if dependency else {})

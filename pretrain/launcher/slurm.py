@@ -192,11 +192,25 @@ def run_root(run_dirs: list[str], sweep_dir: Path | None) -> Path:
     return sweep_dir.resolve() if sweep_dir is not None else Path(run_dirs[0])
 
 
-def make_executor(cfg: Config, root: Path, run_dirs: list[str]):
+def slurm_executor(folder: Path, python: str):
+    """submitit's SlurmExecutor logging to `folder`, never retried by submitit (requeues are ours).
+
+    Its constructor refuses a machine without srun, but a dry run prints the script on any machine (a
+    laptop, a container): check_submittable has already refused a real submission where sbatch is
+    missing, with a message that says what to do, so that check is skipped here."""
     import submitit
 
+    class ScriptExecutor(submitit.SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:
+            return 1
+
+    return ScriptExecutor(folder=folder, python=python, max_num_timeout=0)
+
+
+def make_executor(cfg: Config, root: Path, run_dirs: list[str]):
     python = python_command(cfg, shlex.quote(str(root)), shlex.quote(sys.executable))
-    executor = submitit.SlurmExecutor(folder=root / "slurm", python=python, max_num_timeout=0)
+    executor = slurm_executor(root / "slurm", python)
     name = job_name((Path(run_dirs[0]) if len(run_dirs) == 1 else root).name)
     executor.update_parameters(**executor_parameters(cfg, name, run_dir_lines(run_dirs)))
     return executor

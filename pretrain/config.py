@@ -374,6 +374,11 @@ def shard_degree(fsdp: FSDPConfig, world_size: int, ranks_per_node: int) -> int:
     return mesh_shape(fsdp.strategy, world_size, fsdp.shard_size or ranks_per_node)[-1]
 
 
+def unwrapped(fsdp: FSDPConfig, world_size: int) -> bool:
+    """Whether the model trains without FSDP: one process, unless fsdp.wrap_single_rank."""
+    return world_size == 1 and not fsdp.wrap_single_rank
+
+
 def resolved_precision(name: str, cuda: bool, bf16_supported: bool = True) -> str:
     """precision=auto as a run resolves it: bf16 on a GPU that has it, fp32 elsewhere."""
     if name != "auto":

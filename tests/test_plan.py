@@ -43,9 +43,10 @@ def measured_peaks(tmp_path: Path, world: int, overrides: list[str]) -> list[int
 
 @pytest.mark.parametrize("world,settings", [
     (1, ["precision=fp32", "train.micro_batch=2", "train.global_batch=4"]),  # eager, gradient accumulation
+    (1, ["precision=bf16", "train.micro_batch=2", "train.global_batch=4"]),  # no FSDP: a bf16 compute copy
     (2, ["precision=bf16", "fsdp.activation_checkpointing=selective", "train.micro_batch=4", "train.global_batch=8"]),
     (2, ["precision=fp32", "train.micro_batch=2", "train.global_batch=8"]),  # accumulated gradients stay sharded
-], ids=["1proc-fp32-accumulation", "2proc-bf16-selective-sharded", "2proc-fp32-accumulation"])
+], ids=["1proc-fp32-accumulation", "1proc-bf16-unwrapped", "2proc-bf16-selective-sharded", "2proc-fp32-accumulation"])
 def test_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, world, settings):
     overrides = [*PROBE_MODEL, *settings, f"local.nproc={world}"]
     cfg = compose(overrides)
@@ -53,6 +54,23 @@ def test_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, world, set
     peaks = measured_peaks(tmp_path, world, overrides)
     for peak in peaks:
         assert estimate.allocated == pytest.approx(peak, rel=0.15), (estimate.allocated / 2**20, peak / 2**20)
+
+
+def test_one_process_holds_a_compute_copy_instead_of_fsdp_gathered_parameters():
+    """Without FSDP (one process) the compute copy is held through the optimizer step, and in fp32 there is
+    none; wrapped anyway, FSDP's gathered copies are counted as before."""
+    def parts(*overrides: str) -> dict[str, float]:
+        cfg = compose([*PROBE_MODEL, *overrides])
+        estimate = plan.estimate(cfg, plan.target_of(cfg))
+        return {part.name: part.bytes for part in estimate.held + estimate.forward_backward}
+
+    copy_bytes = 2 * flops.parameter_count(compose(list(PROBE_MODEL)).model)
+    assert parts("precision=bf16")["compute copy"] == copy_bytes
+    assert "gathered parameters" not in parts("precision=bf16")
+    assert not {"compute copy", "gathered parameters"} & parts("precision=fp32").keys()
+    wrapped = parts("precision=bf16", "fsdp.wrap_single_rank=true")
+    assert wrapped["gathered parameters"] == copy_bytes and "compute copy" not in wrapped
+    assert parts("precision=bf16", "local.nproc=2")["gathered parameters"] > 0
 
 
 def test_memory_falls_with_each_remedy():

@@ -241,11 +241,17 @@ def estimate(cfg: Config, target: Target) -> Estimate:
 
     held = [Part("parameters", f"fp32 master weights, {split}", 4 * shard),
             Part("optimizer state", f"AdamW moments, 2 x fp32, {split}", 8 * shard)]
-    gathered, which = gathered_parameters(m, cfg.fsdp.strategy, degree, c)
     per_block = block_activations(m, c, ac, compiled, target.device)
     final_norm = norm_activations(m, c) + c * m.dim
-    forward_backward = [
-        Part("gathered parameters", f"{target.precision} copies FSDP all-gathers ({which})", gathered),
+    forward_backward = []
+    if not config.unwrapped(cfg.fsdp, target.world):
+        gathered, which = gathered_parameters(m, cfg.fsdp.strategy, degree, c)
+        forward_backward.append(Part("gathered parameters", f"{target.precision} copies FSDP all-gathers ({which})",
+                                     gathered))
+    elif c < 4:  # one process without FSDP: its compute copy lives through the optimizer step too
+        held.append(Part("compute copy", f"{target.precision} weights forward and backward run on (no FSDP)",
+                         params * c))
+    forward_backward += [
         Part("accumulated gradients", f"fp32, {split}, summed over {accumulation} micro-batches" if accumulation > 1
              else "none: one micro-batch per step", 4 * shard if accumulation > 1 else 0),
         Part("activations", f"{m.n_layers} layers x {tokens:,} tokens, checkpointing {ac}"

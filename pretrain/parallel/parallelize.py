@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pretrain.config import ConfigError, FSDPConfig, mesh_shape
+from pretrain.config import ConfigError, FSDPConfig, mesh_shape, unwrapped
 from pretrain.parallel import float8
 from pretrain.parallel.compat import reduce_gloo_gradients_by_sum
 from pretrain.parallel.master_weights import MasterWeights
@@ -135,11 +135,6 @@ def sync_gradients(model: nn.Module, mesh: DeviceMesh, last_micro_batch: bool) -
     """
     if mesh.ndim == 2 and isinstance(model, FSDPModule):
         model.set_requires_all_reduce(last_micro_batch)
-
-
-def unwrapped(cfg: FSDPConfig, world_size: int) -> bool:
-    """Whether the model trains without FSDP: one process, unless fsdp.wrap_single_rank."""
-    return world_size == 1 and not cfg.wrap_single_rank
 
 
 @dataclass

@@ -37,8 +37,7 @@ from pretrain.hf import weights as hf_weights
 from pretrain.models.llama import Transformer
 from pretrain.models.sampling import continue_text
 from pretrain.parallel import float8
-from pretrain.parallel.parallelize import (Parallelized, build_mesh, parallelize, persist_compile_cache,
-                                           sync_gradients, unwrapped)
+from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
 from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience
@@ -77,7 +76,7 @@ def build_model(cfg: Config, device: torch.device, mesh) -> Parallelized:
     initialised at full size on the device; larger ones on the meta device, then shard by shard."""
     torch.manual_seed(cfg.train.seed)
     whole = (flops.parameter_count(cfg.model) <= FULL_INIT_MAX_PARAMS
-             or unwrapped(cfg.fsdp, mesh.size()))
+             or config.unwrapped(cfg.fsdp, mesh.size()))
     with torch.device(device if whole else "meta"):
         model = Transformer(cfg.model)
     if whole:
@@ -254,7 +253,7 @@ class Trainer:
 
     def sharding(self) -> str:
         """What the start line says of FSDP."""
-        if not unwrapped(self.cfg.fsdp, self.env.world_size):
+        if not config.unwrapped(self.cfg.fsdp, self.env.world_size):
             return self.cfg.fsdp.strategy
         if self.parallel.master is None:
             return "off (one process)"

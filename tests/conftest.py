@@ -15,10 +15,17 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.enviro
 @pytest.fixture(autouse=True)
 def _no_jobs_left_behind(request):
     """After a test that used the Slurm cluster, cancel whatever it left in the queue, so a failed test's
-    jobs cannot hold the nodes that the next test needs."""
-    yield
+    jobs cannot hold the nodes that the next test needs. Before it, refuse to run where pytest-xdist did
+    not group it: two workers would start two clusters, whose jobs then fail under each other's load."""
     if "slurm_cluster" not in request.fixturenames:
+        yield
         return
+    # pytest-xdist sets option.loadgroup in its workers for --dist loadgroup (their own --dist is "no").
+    if getattr(request.config.option, "loadgroup", False) and not request.node.nodeid.endswith("@slurm"):
+        pytest.fail("this Slurm test was not put in the 'slurm' group of pytest-xdist (its node id has no @slurm), "
+                    "so another worker may start a second cluster: check the pytest and pytest-xdist versions "
+                    "against pyproject.toml's pin", pytrace=False)
+    yield
     cluster = request.getfixturevalue("slurm_cluster")
     cluster.run("scancel", "--user", "root", check=False)
     deadline = time.monotonic() + 60
@@ -26,9 +33,12 @@ def _no_jobs_left_behind(request):
         time.sleep(0.5)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Run in parallel (pytest -n 2 --dist loadgroup), every test of the Slurm cluster goes to one
-    worker: the cluster is started once per worker, on fixed ports. The other worker takes the rest."""
+    worker: the cluster is started once per worker, on fixed ports. The other worker takes the rest.
+    First among the plugins: pytest-xdist's own hook turns the marks into groups, so they must be there
+    before it runs (after it, some of these tests went to the other worker)."""
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -19,9 +20,51 @@ MINI_MODEL = ("model.dim=64", "model.n_layers=2", "model.ffn_hidden=192", "train
 
 
 def launch(*overrides: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m pretrain.launch OVERRIDES...` as a user types it; output captured."""
-    return subprocess.run([sys.executable, "-m", "pretrain.launch", *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """`python -m pretrain.launch OVERRIDES...` as a user types it; output captured.
+
+    Past `timeout` the test fails with where every thread of the ranks was: they get SIGABRT, on
+    which a rank's faulthandler prints each thread's stack.
+    """
+    argv = [sys.executable, "-m", "pretrain.launch", *overrides]
+    with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **(env or {})}) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = abort_with_stacks(process)
+            pytest.fail(f"`{' '.join(overrides)}` still ran after {timeout:.0f} s; its output, with each thread's "
+                        f"stack at the abort:\n{stdout[-4000:]}\n{stderr[-12000:]}", pytrace=False)
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def abort_with_stacks(process: subprocess.Popen) -> tuple[str, str]:
+    """SIGABRT to the processes a launcher started (its ranks), then to it; returns their output."""
+    for pid in [*descendants(process.pid), process.pid]:
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    try:
+        return process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.communicate()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, children first, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        found.append(queue.pop(0))
+        queue += children.get(found[-1], [])
+    return found
 
 
 SLURM_CLIENTS = ("scontrol", "sbatch", "srun", "scancel", "squeue", "sacct", "salloc")

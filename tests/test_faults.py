@@ -71,3 +71,5 @@ def test_stalled_rank_is_caught_by_the_watchdog(tmp_path):
     assert time.monotonic() - stopped_at < 60
     assert "rank 0 exited with code 124" in err
     assert "no training step completed for" in out + err
+    # ... with where rank 0 waited: its threads' stacks, the training loop's among them
+    assert "most recent call first" in err and "pretrain/trainer/loop.py" in err

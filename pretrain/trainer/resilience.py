@@ -34,9 +34,11 @@ The tests use it to show what happens when things break.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from functools import lru_cache
@@ -154,10 +156,11 @@ class StepWatchdog:
             stalled = time.monotonic() - self.last_beat
             if stalled > self.timeout_s:
                 log.error("no training step completed for %.0f s (last was step %d; train.hang_timeout_s=%.0f): "
-                          "a rank died or stalled. Ending this process so the job fails fast and can be requeued.",
-                          stalled, self.last_step, self.timeout_s)
+                          "a rank died or stalled. Ending this process so the job fails fast and can be requeued; "
+                          "where each of its threads was waiting follows.", stalled, self.last_step, self.timeout_s)
                 for handler in logging.getLogger().handlers:
                     handler.flush()
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 os._exit(ExitCode.HUNG)
 
 

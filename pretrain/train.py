@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+from typing import NoReturn
 
 from pretrain.trainer import bytecode
 
@@ -17,5 +20,22 @@ def main(argv: list[str] | None = None) -> int:
     return loop.main(argv)
 
 
+def exit_without_teardown(code: int) -> NoReturn:
+    """End the process with `code` once its output is flushed, skipping the interpreter's teardown.
+
+    By then the run is over: its checkpoint is published, its process group destroyed, its lock
+    released. What is left is the native teardown of torch's libraries and threads, which takes about
+    a second on a CPU and can hang or abort a finished job (gloo's threads once aborted two of three
+    two-node jobs there). A job that hangs after its last step holds its GPUs until the time limit.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to say to it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -1,5 +1,6 @@
 """Fault injection on local multi-process runs: a rank that dies or stalls ends the run quickly, and a
-rerun resumes from the last complete checkpoint."""
+rerun resumes from the last complete checkpoint; a rank that has finished ends even where its
+interpreter's teardown would hang."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import MINI_MODEL, REPO, losses, processes_with_env
+from tests.helpers import MINI_MODEL, REPO, launch, losses, processes_with_env
 
 RUN = ("local.nproc=2", "precision=fp32", "train.steps=40", "train.log_every=1", "train.ckpt_every=5",
        "train.eval_every=0")
@@ -73,3 +74,25 @@ def test_stalled_rank_is_caught_by_the_watchdog(tmp_path):
     assert "no training step completed for" in out + err
     # ... with where rank 0 waited: its threads' stacks, the training loop's among them
     assert "most recent call first" in err and "pretrain/trainer/loop.py" in err
+
+
+# Imported by every Python process of the run below: each rank's interpreter teardown would then wait an hour.
+HANGING_TEARDOWN = '''
+import atexit, os, sys, time
+atexit.register(lambda: os.path.basename(sys.argv[0]) == "train.py" and time.sleep(3600))
+'''
+
+
+def test_a_finished_rank_ends_at_once_even_where_teardown_would_hang(tmp_path):
+    """A rank that has trained and checkpointed exits with its code without the interpreter's teardown,
+    where torch's native threads can hang or abort a finished job (and a hung job holds its GPUs)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(HANGING_TEARDOWN)
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = launch(*RUN, *MINI_MODEL, "train.steps=4", f"hydra.run.dir={run_dir}", timeout=300,
+                    env={"PYTHONPATH": str(tmp_path / "site")})
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert time.monotonic() - started < 120
+    assert "done: step 4" in result.stdout and str(run_dir / "checkpoints" / "step_00000004") in result.stdout
+    assert (run_dir / "logs" / "rank1.log").is_file() and sorted(losses(run_dir)) == [1, 2, 3, 4]

@@ -13,9 +13,10 @@ StopRequest.install replaces them, and the batch script requeues from the host i
 Ending a stalled job. A rank that dies or stalls leaves the others waiting inside a collective.
 Two guards bound that wait: the process group's collective timeout (`train.collective_timeout_s`,
 set at init_process_group; it also covers the first step, compile included), and StepWatchdog, a
-thread that ends its process when no training step has completed for `train.hang_timeout_s`. The
-local launcher or srun's --kill-on-bad-exit then stops the other ranks, and the batch script
-requeues the job, which resumes from its last checkpoint.
+thread that ends its process when no training step has completed for `train.hang_timeout_s`,
+after printing each thread's stack (where it waited) to stderr. The local launcher or srun's
+--kill-on-bad-exit then stops the other ranks, and the batch script requeues the job, which
+resumes from its last checkpoint.
 
 Injected faults, for tests: inert unless PRETRAIN_FAULTS is set.
 PRETRAIN_FAULTS is a comma-separated list of NAME@WHEN, e.g. "nan_loss@5,nan_grad@7-9,kill_in_save@4":

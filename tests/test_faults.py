@@ -96,3 +96,15 @@ def test_a_finished_rank_ends_at_once_even_where_teardown_would_hang(tmp_path):
     assert time.monotonic() - started < 120
     assert "done: step 4" in result.stdout and str(run_dir / "checkpoints" / "step_00000004") in result.stdout
     assert (run_dir / "logs" / "rank1.log").is_file() and sorted(losses(run_dir)) == [1, 2, 3, 4]
+
+
+def test_the_launcher_blames_the_killed_rank_not_the_one_that_failed_after_it(tmp_path, capsys):
+    """Both ended by the launcher's first look: rank 1 killed, rank 0 failing with an error because of it
+    (as its checkpoint write did in a CI run, exiting before rank 1 was seen gone)."""
+    from pretrain.launcher.local import _watch
+
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    killed.wait(), failed.wait()
+    assert _watch([failed, killed], tmp_path) == 1
+    assert f"error: rank 1 exited with code -9; see {tmp_path / 'logs' / 'rank1.log'}" in capsys.readouterr().err

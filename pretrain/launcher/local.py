@@ -153,7 +153,9 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path) -> int:
         codes = [p.poll() for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, ExitCode.OK, ExitCode.STOPPED)]
         if failed:
-            rank, code = failed[0]
+            # A rank killed by a signal is the cause: the others fail after it, in a collective with it,
+            # and may exit first (rank 0's checkpoint write failing on a killed rank 1 was seen to).
+            rank, code = min(failed, key=lambda failure: (failure[1] >= 0, failure[0]))
             stop(procs)
             if rank or code != ExitCode.ERROR:  # rank 0's own error line is on this terminal already
                 where = "the output above" if rank == 0 else str(run_dir / "logs" / f"rank{rank}.log")

@@ -57,7 +57,8 @@ def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path):
 
 def test_stalled_rank_is_caught_by_the_watchdog(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "train.hang_timeout_s=5")
+    # 15 s: on a loaded 2-core CI machine the watchdog once fired at 5 s, before the test stalled a rank
+    proc = start(run_dir, "train.hang_timeout_s=15")
     wait_for_step(run_dir, 8, proc)
     stalled = rank_pid(run_dir, 1)
     os.kill(stalled, signal.SIGSTOP)

@@ -10,6 +10,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from pretrain.rundir import complete_checkpoints
 from tests.helpers import MINI_MODEL, REPO, launch, losses, processes_with_env
 
 RUN = ("local.nproc=2", "precision=fp32", "train.steps=40", "train.log_every=1", "train.ckpt_every=5",
@@ -52,6 +55,27 @@ def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path):
                            cwd=REPO, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed from" in rerun.stdout
+    assert sorted(losses(run_dir)) == list(range(1, 41))
+
+
+@pytest.mark.parametrize("writes", ["blocking", "async"])
+def test_a_rank_dying_during_a_save_is_requeued_not_taken_for_a_write_error(tmp_path, writes):
+    """Rank 1 dies as the step-10 checkpoint's shards are written; rank 0's save then fails in DCP's
+    collectives (in its writer thread, where saves are asynchronous). That is a broken job, which the batch
+    script requeues, not a disk that cannot be written: no `.failed` (which would stop the requeues), and
+    the rerun resumes from step 5 and finishes."""
+    run_dir = tmp_path / "run"
+    result = launch(*RUN, *MINI_MODEL, f"train.async_checkpoint={writes == 'async'}", f"hydra.run.dir={run_dir}",
+                    env={"PRETRAIN_FAULTS": "peer_dies_in_save@10"})
+    assert result.returncode != 0
+    assert "rank 1 exited with code -9" in result.stderr, result.stderr
+    assert "pretrain: collective failed" in result.stderr and "could not be written" not in result.stderr, \
+        result.stderr
+    assert not (run_dir / ".failed").exists(), (run_dir / ".failed").read_text()
+    assert [p.name for p in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000005"]
+    rerun = launch(*RUN, *MINI_MODEL, f"hydra.run.dir={run_dir}")
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed from" in rerun.stdout and "step_00000005" in rerun.stdout
     assert sorted(losses(run_dir)) == list(range(1, 41))
 
 

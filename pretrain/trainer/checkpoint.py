@@ -53,7 +53,7 @@ from pretrain.config import ModelConfig
 from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
                              step_dir_name, step_of)
 from pretrain.trainer import resilience
-from pretrain.trainer.distributed import all_agree
+from pretrain.trainer.distributed import all_agree, collective_failed
 from pretrain.trainer.staging import HostStaging
 
 log = logging.getLogger(__name__)
@@ -353,6 +353,8 @@ class Checkpointer:
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
         self.phases = {"barrier": barrier_done - started, "state dict": time.perf_counter() - barrier_done}
         torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
+        if rank == dist.get_world_size() - 1 and resilience.fault_active("peer_dies_in_save", step):
+            resilience.kill_self()
         manifest = {"step": step, "world_size": dist.get_world_size(), "config_hash": config_hash,
                     "model_shape": model_shape(model_cfg), "train_state": train_state}
         if self.async_save:
@@ -368,7 +370,9 @@ class Checkpointer:
             return final
         try:
             files = save_shards(state, partial)
-        except Exception as error:  # DCP raises the same CheckpointException on every rank
+        except Exception as error:
+            if collective_failed(error):  # a peer died or timed out: not a write error (see collective_failed)
+                raise
             raise CheckpointWriteError(f"writing the shards into {partial} failed: {_first_line(error)}") from error
         self._finish(partial, final, manifest, files)
         seconds = time.perf_counter() - started
@@ -403,6 +407,8 @@ class Checkpointer:
         try:
             files = pending.upload.result()
         except Exception as error:
+            if collective_failed(error):  # a peer died or timed out: not a write error (see collective_failed)
+                raise
             raise CheckpointWriteError(f"writing the shards into {pending.partial} failed: {_first_line(error)}") \
                 from error
         self._finish(pending.partial, pending.final, pending.manifest, files)

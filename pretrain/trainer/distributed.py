@@ -99,6 +99,19 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float = 60
     )
 
 
+def collective_failed(error: BaseException) -> bool:
+    """Whether `error` is a collective that broke (a peer died, or it timed out), not this rank's own fault.
+
+    Such a job is requeued and resumes from its last checkpoint; an error of its own (a full disk) stops
+    the run instead, so the two must not be confused: a checkpoint write whose collectives broke is the
+    first kind. NCCL and the rendezvous store raise torch.distributed.DistError; gloo (CPU runs, and the
+    gloo group of asynchronous checkpoint writes on GPUs) raises a plain RuntimeError from its transport,
+    whose message names gloo's source ("[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection
+    reset by peer").
+    """
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/" in str(error))
+
+
 def all_agree(flag: bool, device: torch.device) -> bool:
     """True on every rank when `flag` is true on any rank: one small all-reduce."""
     value = torch.tensor([1.0 if flag else 0.0], device=device)

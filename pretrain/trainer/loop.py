@@ -534,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         rundir.record_failure(run_dir, str(err))
         return ExitCode.ERROR
-    except dist.DistError as err:
+    except Exception as err:
+        if not distributed.collective_failed(err):
+            raise
         # A peer died or a collective timed out: the batch script requeues on this code.
         print(f"pretrain: collective failed: {err}", file=sys.stderr, flush=True)
         return ExitCode.HUNG

@@ -26,6 +26,8 @@ PRETRAIN_FAULTS is a comma-separated list of NAME@WHEN, e.g. "nan_loss@5,nan_gra
                        checkpoint, before the checkpoint is published
   kill_in_remove@STEPS the process kills itself after deleting the first file of that step's
                        checkpoint when it is pruned (or replaced)
+  peer_dies_in_save@STEPS  the last rank kills itself as it starts writing its shards of that step's
+                       checkpoint, leaving the other ranks in the save's collectives
 STEPS is N or A-B (inclusive). Faults of a node or rank name WHERE instead, a node (Slurm's node
 name, else the hostname) or rankN:
   preflight_fail@WHERE the preflight check's matrix product there comes out wrong (one entry changed

@@ -62,37 +62,6 @@ def test_shards_are_written_by_several_threads_and_digested_off_the_training_thr
         assert torch.equal(value, expected[name]), name
 
 
-def test_a_resume_restores_the_model_at_once_and_the_optimizer_state_in_a_background_thread(
-        tmp_path, one_process_group, monkeypatch):
-    """What a resumed job's first forward and backward need is in place when load returns; the optimizer's
-    moments arrive from another thread, in place once finish_load returns (which save also waits for)."""
-    model, optimizer = model_and_optimizer()
-    expected = {k: v.clone() for k, v in model.state_dict().items()}
-    moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
-    saver = Checkpointer(tmp_path, keep=5)
-    path = saver.save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")
-    reading_threads, read = [], checkpoint.ParallelReader.read_data
-    monkeypatch.setattr(checkpoint.ParallelReader, "read_data",
-                        lambda self, *a: reading_threads.append(threading.current_thread()) or read(self, *a))
-    release = threading.Event()
-    wait_for_release = checkpoint.OptimizerRead._read
-    monkeypatch.setattr(checkpoint.OptimizerRead, "_read", lambda self, group: release.wait() and wait_for_release(self, group))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-            optimizer.state[p]["exp_avg_sq"].zero_()
-
-    assert saver.load(path, model, optimizer, optimizer_later=True)["step"] == 3
-    assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
-    assert all(not optimizer.state[p]["exp_avg_sq"].any() for p in model.parameters())  # still being read
-    release.set()
-    read_s, waited_s = saver.finish_load()
-    assert 0 <= waited_s <= read_s
-    assert all(torch.equal(optimizer.state[p]["exp_avg_sq"], m) for p, m in zip(model.parameters(), moments))
-    assert reading_threads[0] is threading.main_thread() and reading_threads[1] is not threading.main_thread()
-    assert saver.finish_load() is None
-
-
 def test_tidy_publishes_finished_saves_and_removes_the_rest(tmp_path, one_process_group):
     model, optimizer = model_and_optimizer()
     saved = Checkpointer(tmp_path, keep=5).save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")

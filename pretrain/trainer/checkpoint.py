@@ -47,8 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.state_dict import (get_state_dict, set_model_state_dict, set_optimizer_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pretrain.config import ModelConfig
 from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
@@ -161,26 +160,17 @@ class ParallelReader(dcp.FileSystemReader):
 
     FileSystemReader reads one file after the other, each tensor with torch.load and a copy into
     its target; both release the GIL, so the files (`writer_threads` per rank) read in parallel.
-    Each file's items go through FileSystemReader's own read_data, unchanged. With `stream`, the
-    copies into GPU tensors go on that CUDA stream (a load beside training: see OptimizerRead).
+    Each file's items go through FileSystemReader's own read_data, unchanged.
     """
-
-    def __init__(self, path: str, stream: torch.cuda.Stream | None = None) -> None:
-        super().__init__(path)
-        self.stream = stream
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         parts = [replace(plan, items=items) for items in per_file.values()]
-
-        def read(part: LoadPlan) -> None:
-            with torch.cuda.stream(self.stream):  # no stream: the thread's current one
-                super(ParallelReader, self).read_data(part, planner).wait()
-
         with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-            list(pool.map(read, parts))
+            for done in pool.map(lambda part: super(ParallelReader, self).read_data(part, planner), parts):
+                done.wait()
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
@@ -315,56 +305,17 @@ class PendingSave:
     stage_s: float = 0.0  # the training loop's time in `save`
 
 
-class OptimizerRead:
-    """The optimizer's part of a checkpoint, read in a background thread while training starts.
-
-    A resumed job's first forward and backward (with their compilation) do not need the optimizer's
-    moments, two thirds of a checkpoint's bytes with AdamW, so they are read meanwhile. `wait` puts
-    them in place; the optimizer must not step before it. The thread's collectives (DCP's planning)
-    use a gloo group of their own, and its copies into GPU tensors a stream of their own that first
-    waits for the work already queued (the zeros the optimizer's state was created with).
-    """
-
-    def __init__(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 optim_sd: dict[str, Any], group: dist.ProcessGroup, device: torch.device) -> None:
-        self.path, self.model, self.optimizer, self.state = path, model, optimizer, optim_sd
-        self.started = time.perf_counter()
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-read")
-        self._read_s = pool.submit(self._read, group)
-        pool.shutdown(wait=False)
-
-    def _read(self, group: dist.ProcessGroup) -> float:
-        dcp.load({"optim": self.state}, storage_reader=ParallelReader(str(self.path), self.stream),
-                 process_group=group)
-        if self.stream is not None:
-            self.stream.synchronize()
-        return time.perf_counter() - self.started
-
-    def wait(self) -> tuple[float, float]:
-        """Wait for the read and put the state in place; returns its seconds in all, and those waited here."""
-        waited = time.perf_counter()
-        read_s = self._read_s.result()
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=self.state)
-        return read_s, time.perf_counter() - waited
-
-
 class Checkpointer:
     def __init__(self, root: Path, keep: int, async_save: bool = False, device: torch.device | None = None) -> None:
         self.root = root
         self.keep = keep
         self.async_save = async_save
-        self.device = device or torch.device("cpu")
         self.pending: PendingSave | None = None
         self.phases: dict[str, float] = {}  # seconds of the last save's parts, for the log
         self._published: Published | None = None  # the newest save published and not yet collected
-        self._optimizer_read: OptimizerRead | None = None
-        self._group: dist.ProcessGroup | None = None  # background collectives: async saves, OptimizerRead
         if async_save:
             self._group = _cpu_group()
-            self._staging = HostStaging(self.device)
+            self._staging = HostStaging(device or torch.device("cpu"))
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
             self._prepared: Future | None = None
 
@@ -386,7 +337,6 @@ class Checkpointer:
         `collect` finds every rank done. A save still pending is published first. Either way
         `collect` then gives what was published. Raises CheckpointWriteError on every rank alike.
         """
-        self.finish_load()
         self._wait()
         started = time.perf_counter()
         final = self.root / step_dir_name(step)
@@ -496,34 +446,16 @@ class Checkpointer:
         for old in complete_checkpoints(self.root)[: -self.keep]:
             remove(old)
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             optimizer_later: bool = False) -> dict[str, Any]:
-        """Restore model, optimizer and this rank's RNG; returns the saved training state.
-
-        optimizer_later: the optimizer's state is read in the background (OptimizerRead); call
-        `finish_load` before the optimizer's next step (`save` calls it).
-        """
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state, in this thread
-        if optimizer_later:
-            dcp.load({MODEL_STATE: model_sd}, storage_reader=ParallelReader(str(path)))
-            set_model_state_dict(model, model_sd)
-            if self._group is None:
-                self._group = _cpu_group()
-            self._optimizer_read = OptimizerRead(path, model, optimizer, optim_sd, self._group, self.device)
-        else:
-            state = {MODEL_STATE: model_sd, "optim": optim_sd}
-            dcp.load(state, storage_reader=ParallelReader(str(path)))
-            set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore model, optimizer and this rank's RNG; returns the saved training state."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {MODEL_STATE: model_sd, "optim": optim_sd}
+        dcp.load(state, storage_reader=ParallelReader(str(path)))
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return read_manifest(path)["train_state"]
-
-    def finish_load(self) -> tuple[float, float] | None:
-        """Wait for an optimizer state still being read (load with optimizer_later) and put it in place;
-        returns its seconds in all and those waited here, or None when none was being read."""
-        read, self._optimizer_read = self._optimizer_read, None
-        return read.wait() if read is not None else None
 
 
 def _first_line(error: BaseException) -> str:

@@ -159,7 +159,6 @@ class Trainer:
         train, loss = self.cfg.train, float("nan")
         if self.state.step >= train.steps:
             log.info("nothing to train: the run is already at step %d of train.steps=%d", self.state.step, train.steps)
-            self.optimizer_state_ready()
             loss = self.last_logged_loss()
         watchdog = resilience.StepWatchdog(train.hang_timeout_s)
         self.progress.start(self.state.step)
@@ -197,6 +196,7 @@ class Trainer:
         A non-finite norm skips the update on every rank alike (SkippedSteps).
         """
         self.skips.settle()
+        set_lr(self.optimizer, self.cfg.optim.lr * lr_factor(self.state.step, self.cfg.optim, self.cfg.train.steps))
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets = self.batch(micro)
@@ -210,8 +210,6 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.checkpointer.wait_for_staging()
-        self.optimizer_state_ready()
-        set_lr(self.optimizer, self.cfg.optim.lr * lr_factor(self.state.step, self.cfg.optim, self.cfg.train.steps))
         stepped = self.skips.step(self.optimizer, norm, self.state.step + 1, on_device=self.skip_on_device)
         if stepped is not None:
             self.scaler.update(stepped)
@@ -220,12 +218,6 @@ class Trainer:
         self.state.step += 1
         self.state.samples += self.global_batch
         return loss_sum, norm
-
-    def optimizer_state_ready(self) -> None:
-        """After a resume, wait for the optimizer's state, read beside the first step (Checkpointer.load)."""
-        read = self.checkpointer.finish_load()
-        if read is not None:
-            log.info("optimizer state read in %.1f s beside the first step, which waited %.2f s for it", *read)
 
     def batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batch `micro` of the current step, on the device."""
@@ -402,7 +394,7 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         started = time.perf_counter()
-        saved = self.checkpointer.load(path, self.weights, self.optimizer, optimizer_later=True)
+        saved = self.checkpointer.load(path, self.weights, self.optimizer)
         self.parallel.weights_changed()
         seconds = time.perf_counter() - started
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
@@ -413,8 +405,8 @@ class Trainer:
         if self.env.is_main:
             self.metrics.truncate_after(self.state.step)
             self.metrics.write({"step": self.state.step, "ckpt_load_s": seconds})
-        log.info("resumed from %s in %.1f s (step %d, %d samples seen); its optimizer state is read beside the "
-                 "first step", path, seconds, self.state.step, self.state.samples)
+        log.info("resumed from %s in %.1f s (step %d, %d samples seen)", path, seconds, self.state.step,
+                 self.state.samples)
 
     def set_aside(self, path: Path, damage: list[str]) -> None:
         """Rename a damaged checkpoint out of the complete ones (rank 0)."""

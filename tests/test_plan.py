@@ -35,9 +35,15 @@ def measured_peaks(tmp_path: Path, world: int, overrides: list[str]) -> list[int
                                str(tmp_path / "run"), *overrides], cwd=REPO, env={**env, **rank_env(rank, world, port)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for rank in range(world)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
+    finally:  # a rank left running after a failure would hold the machine's cores through the tests after it
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return [json.loads((tmp_path / f"peak{rank}.json").read_text())["peak_increase_bytes"] for rank in range(world)]
 
 

@@ -38,7 +38,9 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -368,12 +370,8 @@ class Checkpointer:
             upload = self._writer.submit(self._write, host_state, partial)
             self.pending = PendingSave(partial, final, manifest, upload, started, time.perf_counter() - started)
             return final
-        try:
+        with _writing_shards_into(partial):
             files = save_shards(state, partial)
-        except Exception as error:
-            if collective_failed(error):  # a peer died or timed out: not a write error (see collective_failed)
-                raise
-            raise CheckpointWriteError(f"writing the shards into {partial} failed: {_first_line(error)}") from error
         self._finish(partial, final, manifest, files)
         seconds = time.perf_counter() - started
         self._published = Published(final, step, seconds, seconds, 0.0, asynchronous=False)
@@ -404,13 +402,8 @@ class Checkpointer:
         if pending is None:
             return
         waited = time.perf_counter()
-        try:
+        with _writing_shards_into(pending.partial):
             files = pending.upload.result()
-        except Exception as error:
-            if collective_failed(error):  # a peer died or timed out: not a write error (see collective_failed)
-                raise
-            raise CheckpointWriteError(f"writing the shards into {pending.partial} failed: {_first_line(error)}") \
-                from error
         self._finish(pending.partial, pending.final, pending.manifest, files)
         now = time.perf_counter()
         self._published = Published(pending.final, pending.manifest["step"], now - pending.started, pending.stage_s,
@@ -456,6 +449,19 @@ class Checkpointer:
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return read_manifest(path)["train_state"]
+
+
+@contextmanager
+def _writing_shards_into(partial: Path) -> Iterator[None]:
+    """Raise a failed write of the shards as CheckpointWriteError (DCP raises the same CheckpointException on
+    every rank). A peer that died or timed out meanwhile is not a write error: its error passes unchanged,
+    so the job ends as for any broken collective and is requeued (see collective_failed)."""
+    try:
+        yield
+    except Exception as error:
+        if collective_failed(error):
+            raise
+        raise CheckpointWriteError(f"writing the shards into {partial} failed: {_first_line(error)}") from error
 
 
 def _first_line(error: BaseException) -> str:

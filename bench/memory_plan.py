@@ -161,8 +161,9 @@ NOTES = """\
   fragmentation allowance the launcher's check counts against the GPU's memory.
 - measured, CPU: the peak resident-memory increase of each rank over its baseline just before the model
   is built (tests/memory_probe.py, glibc mapping each large block on its own so freed tensors leave the
-  resident set); it includes some runtime memory (libraries loaded and caches filled during the first
-  steps, tens of MiB) that the estimate does not count.
+  resident set). Since 2026-12-02 the probe first trains a tiny model of the same settings and drops it,
+  so that the baseline holds the runtime's start-up memory (libraries loaded and caches filled during
+  the first steps, tens of MiB) that the estimate does not count; rows measured earlier include it.
 - The eager and checkpointed terms come from what the code keeps for backward; the compiled blocks' term
   has one fitted coefficient (COMPILED_NORM_FP32) from the compiled GPU rows here, so those rows are not
   an independent check.

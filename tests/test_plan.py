@@ -20,9 +20,11 @@ from pretrain.compose import compose
 from pretrain.launcher.local import rank_env
 from tests.helpers import REPO, launch, snapshot
 
-# About 52M parameters; the logits of a 32k vocabulary and the activations weigh as much as the weights.
-PROBE_MODEL = ("data=synthetic", "model.name=probe", "model.dim=512", "model.n_layers=6", "model.n_heads=8",
-               "model.n_kv_heads=4", "model.ffn_hidden=1536", "model.vocab_size=32000", "train.seq_len=512",
+# About 7M parameters; the logits of an 8k vocabulary and the activations weigh about as much as the weights,
+# their gradients and the optimizer state (fp32: 94 against 110 MiB), and bf16 steps take seconds even where
+# the CPU has no bf16 instructions (there bf16 matmuls run some 50x slower than fp32 ones).
+PROBE_MODEL = ("data=synthetic", "model.name=probe", "model.dim=256", "model.n_layers=4", "model.n_heads=4",
+               "model.n_kv_heads=2", "model.ffn_hidden=768", "model.vocab_size=8000", "train.seq_len=256",
                "train.steps=2", "train.log_every=1")
 TOO_BIG = ("+cluster=a100x8", "model=llama-8b", "train=pretrain", "fsdp.activation_checkpointing=none")
 
@@ -53,13 +55,13 @@ def measured_peaks(tmp_path: Path, world: int, overrides: list[str]) -> list[int
     (2, ["precision=bf16", "fsdp.activation_checkpointing=selective", "train.micro_batch=4", "train.global_batch=8"]),
     (2, ["precision=fp32", "train.micro_batch=2", "train.global_batch=8"]),  # accumulated gradients stay sharded
 ], ids=["1proc-fp32-accumulation", "1proc-bf16-unwrapped", "2proc-bf16-selective-sharded", "2proc-fp32-accumulation"])
-def test_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, world, settings):
+def test_estimate_is_within_10_percent_of_the_measured_peak(tmp_path, world, settings):
     overrides = [*PROBE_MODEL, *settings, f"local.nproc={world}"]
     cfg = compose(overrides)
     estimate = plan.estimate(cfg, plan.target_of(cfg))
     peaks = measured_peaks(tmp_path, world, overrides)
     for peak in peaks:
-        assert estimate.allocated == pytest.approx(peak, rel=0.15), (estimate.allocated / 2**20, peak / 2**20)
+        assert estimate.allocated == pytest.approx(peak, rel=0.10), (estimate.allocated / 2**20, peak / 2**20)
 
 
 def test_one_process_holds_a_compute_copy_instead_of_fsdp_gathered_parameters():

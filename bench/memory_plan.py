@@ -33,9 +33,10 @@ sys.path.insert(0, str(REPO))
 from pretrain import flops
 from pretrain.launcher import plan  # noqa: E402
 from pretrain.compose import compose  # noqa: E402
+from tests import memory_probe  # noqa: E402
 
 GIB = 2**30
-# About 52M parameters with a 32k vocabulary (tests/test_plan.py measures two of these in CI).
+# About 52M parameters with a 32k vocabulary: the recorded CPU rows (tests/test_plan.py measures a 7M one).
 PROBE_MODEL = ["data=synthetic", "model.name=probe", "model.dim=512", "model.n_layers=6", "model.n_heads=8",
                "model.n_kv_heads=4", "model.ffn_hidden=1536", "model.vocab_size=32000", "train.seq_len=512",
                "train.steps=2", "train.log_every=1"]
@@ -61,31 +62,12 @@ def stamp() -> dict[str, Any]:
             "commit": commit or "unknown"}
 
 
-def probe_cpu(world: int, overrides: list[str]) -> list[float]:
-    """Each rank's peak resident-memory increase (GiB) over its pre-model baseline."""
-    from pretrain.hosts import free_port
-    from pretrain.launcher.local import rank_env
-
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)}
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.memory_probe", f"{tmp}/peak{rank}.json", f"{tmp}/run",
-                                   *overrides], cwd=REPO, env={**env, **rank_env(rank, world, port)},
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for rank in range(world)]
-        for proc in procs:
-            _, err = proc.communicate()
-            if proc.returncode:
-                raise RuntimeError(err[-3000:])
-        return [json.loads(Path(f"{tmp}/peak{rank}.json").read_text())["peak_increase_bytes"] / GIB
-                for rank in range(world)]
-
-
 def measure_cpu(out: Path) -> Path:
     rows = []
     for name, (world, settings) in CPU_CONFIGS.items():
         overrides = [*PROBE_MODEL, *settings, f"local.nproc={world}"]
-        peaks = probe_cpu(world, overrides)
+        with tempfile.TemporaryDirectory() as scratch:
+            peaks = [peak / GIB for peak in memory_probe.measure(world, overrides, Path(scratch))]
         rows.append({"name": name, "overrides": overrides, "world_size": world, "device": "cpu",
                      "allocated_gib": max(peaks)})
         print(name, [f"{p:.3f}" for p in peaks], flush=True)

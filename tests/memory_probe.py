@@ -2,6 +2,8 @@
 
     python -m tests.memory_probe OUT.json RUN_DIR [overrides...]     # with RANK/WORLD_SIZE/... set
 
+or, from a test or benchmark, `measure(world, overrides, scratch)`, which starts the ranks so.
+
 Builds the real Trainer and runs its `train_step` train.steps times (no evaluation or checkpoint,
 whose memory the estimate leaves out), then writes to OUT.json the resident set's peak
 increase over the baseline taken just before the model is built. Before the baseline, a tiny model
@@ -9,16 +11,18 @@ of the same settings trains the same steps and is dropped: the process group, th
 first use, the kernels' and threads' one-time buffers and the data are up by then, so the increase
 is the tensors the estimate counts (without the warm-up, some 40 MiB of start-up rode on every
 peak, which needed a model of 52M parameters, and minutes of bf16 matmuls on a CPU without bf16
-instructions, to stay inside the tolerance). The high-water mark is reset at the baseline (/proc/self/clear_refs),
-and glibc is told (by the caller, MALLOC_MMAP_THRESHOLD_) to map every large block on its own, so
-freed tensors leave the resident set at once and the peak follows the live tensors, not the
-allocator's caching.
+instructions, to stay inside the tolerance). The high-water mark is reset at the baseline
+(/proc/self/clear_refs), and glibc is told (by `measure`, MALLOC_MMAP_THRESHOLD_) to map every large
+block on its own, so freed tensors leave the resident set at once and the peak follows the live
+tensors, not the allocator's caching.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +32,9 @@ import torch.distributed as dist
 
 from pretrain.compose import compose
 from pretrain.config import Config
+from pretrain.hosts import free_port
 from pretrain.launcher import preparation
+from pretrain.launcher.local import rank_env
 from pretrain.launcher.world import World
 from pretrain.trainer import distributed, logs, loop
 
@@ -79,6 +85,30 @@ def main(argv: list[str]) -> int:
     out.write_text(json.dumps({"rank": env.rank, "baseline_bytes": baseline * 1024,
                                "peak_increase_bytes": (peak - baseline) * 1024}))
     return 0
+
+
+def measure(world: int, overrides: list[str], scratch: Path, timeout: float | None = None) -> list[int]:
+    """Each rank's peak resident-memory increase (bytes) over its pre-model baseline, from `world` probe
+    processes of `overrides` (their files go under scratch). A rank that fails raises its stderr's end;
+    none is left running, even on a timeout (it would hold the machine's cores through what comes next)."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(repo)}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.memory_probe", str(scratch / f"peak{rank}.json"),
+                               str(scratch / "run"), *overrides], cwd=repo, env={**env, **rank_env(rank, world, port)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
+    try:
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=timeout)
+            if proc.returncode:
+                raise RuntimeError(f"memory probe rank {rank} exited with {proc.returncode}:\n{err[-3000:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [json.loads((scratch / f"peak{rank}.json").read_text())["peak_increase_bytes"] for rank in range(world)]
 
 
 if __name__ == "__main__":

@@ -3,21 +3,17 @@ and its suggestions, forcing, and `python -m pretrain.plan`."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pretrain import flops
 from pretrain.launcher import plan
 from pretrain.config import ConfigError
-from pretrain.hosts import free_port
 from pretrain.compose import compose
-from pretrain.launcher.local import rank_env
+from tests import memory_probe
 from tests.helpers import REPO, launch, snapshot
 
 # About 7M parameters; the logits of an 8k vocabulary and the activations weigh about as much as the weights,
@@ -27,26 +23,6 @@ PROBE_MODEL = ("data=synthetic", "model.name=probe", "model.dim=256", "model.n_l
                "model.n_kv_heads=2", "model.ffn_hidden=768", "model.vocab_size=8000", "train.seq_len=256",
                "train.steps=2", "train.log_every=1")
 TOO_BIG = ("+cluster=a100x8", "model=llama-8b", "train=pretrain", "fsdp.activation_checkpointing=none")
-
-
-def measured_peaks(tmp_path: Path, world: int, overrides: list[str]) -> list[int]:
-    """Each rank's peak resident-memory increase over its pre-model baseline (tests/memory_probe.py)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.memory_probe", str(tmp_path / f"peak{rank}.json"),
-                               str(tmp_path / "run"), *overrides], cwd=REPO, env={**env, **rank_env(rank, world, port)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for rank in range(world)]
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, err[-3000:]
-    finally:  # a rank left running after a failure would hold the machine's cores through the tests after it
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [json.loads((tmp_path / f"peak{rank}.json").read_text())["peak_increase_bytes"] for rank in range(world)]
 
 
 @pytest.mark.parametrize("world,settings", [
@@ -59,7 +35,7 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(tmp_path, world, set
     overrides = [*PROBE_MODEL, *settings, f"local.nproc={world}"]
     cfg = compose(overrides)
     estimate = plan.estimate(cfg, plan.target_of(cfg))
-    peaks = measured_peaks(tmp_path, world, overrides)
+    peaks = memory_probe.measure(world, overrides, tmp_path, timeout=600)
     for peak in peaks:
         assert estimate.allocated == pytest.approx(peak, rel=0.10), (estimate.allocated / 2**20, peak / 2**20)
 

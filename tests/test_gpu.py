@@ -81,13 +81,18 @@ def test_float8_model_computes_what_bf16_computes_within_fp8_rounding(recipe):
 
 
 def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_path, monkeypatch):
-    """ParallelReader's threads copy the files' tensors into the GPU side by side: every weight and
-    optimizer value arrives, and training's stream sees them."""
+    """ParallelReader's threads read the files' tensors as raw bytes into the GPU side by side, through
+    pinned buffers smaller than a weight (so each weight takes several turns of the two): every weight
+    and optimizer value arrives, and training's stream sees them."""
     from pretrain.config import ModelConfig
-    from pretrain.trainer import checkpoint
+    from pretrain.trainer import checkpoint, shard_reader
     from tests import helpers
 
     monkeypatch.setattr(checkpoint, "writer_threads", lambda: 4)
+    monkeypatch.setattr(shard_reader, "CHUNK_BYTES", 1 << 20)  # a 1024 x 1024 fp32 weight: 4 chunks
+    readers = []
+    monkeypatch.setattr(checkpoint, "ParallelReader",
+                        lambda *a, **k: readers.append(shard_reader.ParallelReader(*a, **k)) or readers[-1])
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8))).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
@@ -110,6 +115,9 @@ def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_
         assert torch.equal(value, expected[name]), name
     for p, moment in zip(model.parameters(), moments):
         assert torch.equal(optimizer.state[p]["exp_avg_sq"], moment)
+    tensors = [*model.parameters(), *(v for p in model.parameters() for v in optimizer.state[p].values())]
+    assert readers[0].counts.direct == len(tensors)  # weights, both moments and the step counts: all raw
+    assert readers[0].counts.direct_bytes == sum(t.nbytes for t in tensors)
 
 
 def test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does(tmp_path):

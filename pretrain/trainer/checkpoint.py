@@ -23,8 +23,9 @@ manifest lists every file of the checkpoint with its size and CRC32; each rank d
 it wrote, in parallel and, for asynchronous saves, in the writer thread, so training never waits
 for the digests. `verify` checks them before a load, several files at a time; the training start
 falls back to the previous checkpoint when the newest is damaged, and renames the damaged one aside
-(`.damaged`), never deleting it. A load reads the rank's files in parallel too (`ParallelReader`):
-a requeued job waits for its checkpoint before its first step. So that it waits less, the job checks
+(`.damaged`), never deleting it. A load reads the rank's files in parallel too, each tensor's bytes
+straight into its target (`shard_reader.ParallelReader`): a requeued job waits for its checkpoint before
+its first step. So that it waits less, the job checks
 its newest checkpoint from its first moments (`VerifyAhead`), while the process group, the preflight
 and the model are set up; that read also leaves the rank's files in the node's page cache for the load.
 """
@@ -41,14 +42,13 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pretrain.config import ModelConfig
@@ -56,6 +56,7 @@ from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_chec
                              step_dir_name, step_of)
 from pretrain.trainer import resilience
 from pretrain.trainer.distributed import all_agree, collective_failed
+from pretrain.trainer.shard_reader import ParallelReader
 from pretrain.trainer.staging import HostStaging
 
 log = logging.getLogger(__name__)
@@ -155,27 +156,6 @@ def save_shards(state: dict[str, Any], partial: Path, group: dist.ProcessGroup |
     writer = dcp.FileSystemWriter(str(partial), thread_count=writer_threads())
     dcp.save(state, storage_writer=writer, process_group=group)
     return digest(partial, written_by(partial, dist.get_rank()))
-
-
-class ParallelReader(dcp.FileSystemReader):
-    """DCP's file reader, reading the files of a load several at a time.
-
-    FileSystemReader reads one file after the other, each tensor with torch.load and a copy into
-    its target; both release the GIL, so the files (`writer_threads` per rank) read in parallel.
-    Each file's items go through FileSystemReader's own read_data, unchanged.
-    """
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        parts = [replace(plan, items=items) for items in per_file.values()]
-        with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-            for done in pool.map(lambda part: super(ParallelReader, self).read_data(part, planner), parts):
-                done.wait()
-        future: torch.futures.Future[None] = torch.futures.Future()
-        future.set_result(None)
-        return future
 
 
 def written_by(folder: Path, rank: int) -> list[str]:
@@ -443,7 +423,13 @@ class Checkpointer:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=ParallelReader(str(path)))
+        started = time.perf_counter()
+        reader = ParallelReader(path, threads=writer_threads())
+        dcp.load(state, storage_reader=reader)
+        seconds, counts = time.perf_counter() - started, reader.counts
+        log.info("read %.1f GiB of tensors in %.1f s (%.1f GB/s) from %s: %d tensors as raw bytes, %d items through "
+                 "torch.load", counts.direct_bytes / 2**30, seconds, counts.direct_bytes / 1e9 / max(seconds, 1e-9),
+                 path.name, counts.direct, counts.through_dcp)
         set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved

@@ -4,7 +4,6 @@ them, and through DCP's torch.load otherwise: the values are exact either way.""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from pretrain.hosts import free_port
 from pretrain.trainer.shard_reader import ParallelReader, locate_tensor
 from tests import helpers
 
@@ -96,11 +96,11 @@ def test_a_load_on_more_ranks_reads_row_shards_directly_and_column_shards_throug
     saved = {"rows": torch.randn(8, 6), "columns": torch.randn(8, 6)}
     with helpers.one_process_group():
         dcp.save(saved, checkpoint_id=str(tmp_path))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.start_processes(_load_as_shards, args=(port, str(tmp_path), results), nprocs=2, start_method="spawn")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_load_as_shards, args=(free_port(), str(tmp_path), results), nprocs=2,
+                           start_method="spawn")
+        results = dict(results)
     for rank in (0, 1):
         local, counts = results[rank]
         assert torch.equal(local["rows"], saved["rows"][4 * rank:4 * rank + 4])

@@ -423,13 +423,11 @@ class Checkpointer:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
-        started = time.perf_counter()
         reader = ParallelReader(path, threads=writer_threads())
         dcp.load(state, storage_reader=reader)
-        seconds, counts = time.perf_counter() - started, reader.counts
-        log.info("read %.1f GiB of tensors in %.1f s (%.1f GB/s) from %s: %d tensors as raw bytes, %d items through "
-                 "torch.load", counts.direct_bytes / 2**30, seconds, counts.direct_bytes / 1e9 / max(seconds, 1e-9),
-                 path.name, counts.direct, counts.through_dcp)
+        counts = reader.counts  # the load's time is logged by its caller, with the step it resumed
+        log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name,
+                 counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)
         set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved

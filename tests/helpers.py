@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from contextlib import contextmanager
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,17 @@ def processes_with_env(**wanted: str) -> list[int]:
     return pids
 
 
+# torch 2.7's gloo group can deadlock when destroyed right after a collective: a worker thread drops the
+# collective's tensors just after the caller got its result and needs the GIL for that, while the thread
+# destroying the group joins it holding the GIL (seen in CI: the worker in ~AsyncAllgatherWork waiting for
+# the GIL, the main thread in ~ProcessGroupGloo). A barrier before the destroy does not prevent it: the
+# worker of an earlier all-gather can still be behind it (two fresh-clone CI runs hung so, in
+# test_shard_reader, with the barrier). On that torch a test process keeps its world of one from its
+# first use on, and destroys nothing.
+KEEP_ONE_PROCESS_GROUP = tuple(int(part) for part in version("torch").split(".")[:2]) < (2, 8)
+_kept_backend: list[str] = []
+
+
 @contextmanager
 def one_process_group(backend: str = "gloo"):
     """A world of one process (this one), for code that calls torch.distributed collectives."""
@@ -159,17 +171,27 @@ def one_process_group(backend: str = "gloo"):
 
     from pretrain.hosts import free_port
 
+    if _kept_backend == [backend]:
+        yield
+        return
+    if _kept_backend:
+        _destroy_default_group()
+        _kept_backend.clear()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:
-        # A gloo worker thread drops a finished all_gather's tensors just after the caller got its result,
-        # and needs the GIL for that; torch 2.7 joins those threads holding the GIL when it destroys the
-        # group, so a group destroyed at once after a collective deadlocked (seen once in CI: the worker
-        # in ~AsyncAllgatherWork waiting for the GIL, the main thread in ~ProcessGroupGloo). A barrier's
-        # wait lets the workers finish first.
-        dist.barrier()
-        dist.destroy_process_group()
+        if KEEP_ONE_PROCESS_GROUP:
+            _kept_backend.append(backend)
+        else:
+            _destroy_default_group()
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # lets gloo's workers finish what they hold first (see KEEP_ONE_PROCESS_GROUP)
+    dist.destroy_process_group()
 
 
 def checkpointed_run(run_dir: Path, *overrides: str, step: int = 1):

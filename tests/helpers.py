@@ -161,7 +161,6 @@ def processes_with_env(**wanted: str) -> list[int]:
 # test_shard_reader, with the barrier). On that torch a test process keeps its world of one from its
 # first use on, and destroys nothing.
 KEEP_ONE_PROCESS_GROUP = tuple(int(part) for part in version("torch").split(".")[:2]) < (2, 8)
-_kept_backend: list[str] = []
 
 
 @contextmanager
@@ -171,19 +170,16 @@ def one_process_group(backend: str = "gloo"):
 
     from pretrain.hosts import free_port
 
-    if _kept_backend == [backend]:
-        yield
-        return
-    if _kept_backend:
+    if KEEP_ONE_PROCESS_GROUP and dist.is_initialized():
+        if dist.get_backend() == backend:  # the one an earlier test kept
+            yield
+            return
         _destroy_default_group()
-        _kept_backend.clear()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:
-        if KEEP_ONE_PROCESS_GROUP:
-            _kept_backend.append(backend)
-        else:
+        if not KEEP_ONE_PROCESS_GROUP:
             _destroy_default_group()
 
 

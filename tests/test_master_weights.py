@@ -34,8 +34,7 @@ def test_one_process_trains_unwrapped_exactly_as_fsdp_at_one_rank(tmp_path, tied
         plain, wrapped = trained_pair(tmp_path / f"attempt{attempt}", run)
         if plain == wrapped:
             break
-        warnings.warn(f"attempt {attempt}: the unwrapped and FSDP2 runs differed ({plain} != {wrapped})",
-                      stacklevel=1)
+        warnings.warn(f"attempt {attempt}: the unwrapped and FSDP2 runs differed ({plain} != {wrapped})")
     assert plain == wrapped
     assert len(plain["loss"]) == 4
 

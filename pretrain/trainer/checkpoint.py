@@ -19,15 +19,14 @@ shards with `dcp.save` over a gloo group of its own, and the folder is published
 barrier, manifest and rename, once every rank has finished writing (`poll`, `wait`).
 
 Each rank writes its shards as several files with as many threads (`writer_threads`). The
-manifest lists every file of the checkpoint with its size and CRC32; each rank digests the files
-it wrote, in parallel and, for asynchronous saves, in the writer thread, so training never waits
-for the digests. `verify` checks them before a load, several files at a time; the training start
-falls back to the previous checkpoint when the newest is damaged, and renames the damaged one aside
-(`.damaged`), never deleting it. A load reads the rank's files in parallel too, each tensor's bytes
-straight into its target (`shard_reader.ParallelReader`): a requeued job waits for its checkpoint before
-its first step. So that it waits less, the job checks
-its newest checkpoint from its first moments (`VerifyAhead`), while the process group, the preflight
-and the model are set up; that read also leaves the rank's files in the node's page cache for the load.
+manifest lists every file of the checkpoint with its size and CRC32 (pretrain.trainer.integrity); each
+rank digests the files it wrote, in parallel and, for asynchronous saves, in the writer thread, so
+training never waits for the digests. `verify` checks them before a load; the training start falls back
+to the previous checkpoint when the newest is damaged, and renames the damaged one aside (`.damaged`),
+never deleting it. A requeued job checks its newest checkpoint from its first moments
+(`integrity.VerifyAhead`, a process of its own), while the process group, the preflight and the model are
+set up. A load reads the rank's files in parallel too, each tensor's bytes straight into its target
+(`shard_reader.ParallelReader`).
 """
 
 from __future__ import annotations
@@ -35,10 +34,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,7 +51,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from pretrain.config import ModelConfig
 from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
                              step_dir_name, step_of)
-from pretrain.trainer import resilience
+from pretrain.trainer import integrity, resilience
+from pretrain.trainer.integrity import digest, writer_threads, written_by
 from pretrain.trainer.distributed import all_agree, collective_failed
 from pretrain.trainer.shard_reader import ParallelReader
 from pretrain.trainer.staging import HostStaging
@@ -130,27 +128,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def crc32_of(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
-    """Size and CRC32 of each file, several files at a time (zlib releases the GIL)."""
-    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-        crcs = list(pool.map(crc32_of, [folder / name for name in names]))
-    return {name: {"size": (folder / name).stat().st_size, "crc32": crc} for name, crc in zip(names, crcs)}
-
-
-def writer_threads() -> int:
-    """Threads (and files) per rank for writing and digesting shards: up to 8, within the CPUs the
-    rank may use (under Slurm, its task's)."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
 def save_shards(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:
     """Write this rank's shards with several threads; returns the digests of the files it wrote."""
     writer = dcp.FileSystemWriter(str(partial), thread_count=writer_threads())
@@ -158,88 +135,11 @@ def save_shards(state: dict[str, Any], partial: Path, group: dist.ProcessGroup |
     return digest(partial, written_by(partial, dist.get_rank()))
 
 
-def written_by(folder: Path, rank: int) -> list[str]:
-    """The files of a checkpoint folder that `rank` wrote: its DCP shards and its RNG state
-    (rank 0 also wrote DCP's .metadata)."""
-    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    return [name for name in names if writer_of(name) == rank]
-
-
-def writer_of(name: str) -> int | None:
-    """The rank that wrote a checkpoint file (`__R_I.distcp`, `rng/rankR.pt`; rank 0 `.metadata`)."""
-    if name == ".metadata":
-        return 0
-    match = _WRITER.fullmatch(name)
-    return int(match.group(1) or match.group(2)) if match else None
-
-
-_WRITER = re.compile(r"__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt")
-
-
-def problems(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
-    """What is wrong with a checkpoint folder's files: with world_size ranks checking, rank's share.
-
-    Written by as many ranks as check it, each rank checks the files it wrote, which are those it will
-    load (on a node of its own, the read leaves them in that node's page cache); otherwise every
-    world_size-th file from rank.
-    """
-    try:
-        manifest = read_manifest(path)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError) as err:
-        return [f"unreadable manifest ({err})"]
-    if manifest.get("world_size") == world_size:
-        writers = {name: writer_of(name) for name in files}
-        share = sorted(name for name, writer in writers.items()
-                       if writer == rank or (rank == 0 and (writer is None or writer >= world_size)))
-    else:
-        share = sorted(files)[rank::world_size]
-
-    def problem(name: str) -> str | None:
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != files[name]["size"]:
-            return f"{name} has {file.stat().st_size} bytes, not {files[name]['size']}"
-        if crc32_of(file) != files[name]["crc32"]:
-            return f"{name} fails its checksum"
-        return None
-
-    # Several files at a time, as they were written: one after the other, a resume of the 1B shape
-    # spent 12 s on its 17 GiB of checksums.
-    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-        return [p for p in pool.map(problem, share) if p]
-
-
-class VerifyAhead:
-    """This rank's share of the newest complete checkpoint's check (`problems`), in a background thread
-    started before the process group exists: a requeued job's start-up then overlaps it.
-
-    `verify` takes its result for that folder; any other folder (an older one after a damaged newest,
-    or one `tidy` published meanwhile) is checked when asked.
-    """
-
-    def __init__(self, root: Path, rank: int, world_size: int) -> None:
-        found = complete_checkpoints(root)
-        self.path: Path | None = found[-1] if found else None
-        self._result: Future | None = None
-        if self.path is not None:
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify")
-            self._result = pool.submit(problems, self.path, rank, world_size)
-            pool.shutdown(wait=False)
-
-    def problems_of(self, path: Path) -> list[str] | None:
-        """This rank's problems with `path` if it was checked ahead (waiting for the check), else None."""
-        if self._result is None or path != self.path:
-            return None
-        return self._result.result()
-
-
-def verify(path: Path, ahead: VerifyAhead | None = None) -> list[str]:
+def verify(path: Path, ahead: integrity.VerifyAhead | None = None) -> list[str]:
     """Check a checkpoint's files, split across ranks; every rank gets the whole list of problems."""
     mine = ahead.problems_of(path) if ahead is not None else None
     if mine is None:
-        mine = problems(path, dist.get_rank(), dist.get_world_size())
+        mine = integrity.problems(path, dist.get_rank(), dist.get_world_size())
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     return [problem for part in gathered for problem in part]

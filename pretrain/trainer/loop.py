@@ -40,7 +40,7 @@ from pretrain.parallel import float8
 from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
-from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience
+from pretrain.trainer import bytecode, checkpoint, distributed, integrity, logs, precision, preflight, resilience
 from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
@@ -98,7 +98,7 @@ def config_hash(cfg: Config) -> str:
 class Trainer:
     def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device,
                  stop: resilience.StopRequest | None = None, clock: StartupClock | None = None,
-                 verify_ahead: checkpoint.VerifyAhead | None = None) -> None:
+                 verify_ahead: integrity.VerifyAhead | None = None) -> None:
         """stop: the signal listener the loop asks at each step boundary (none installed by default);
         clock: the job's start-up so far (a new one by default); verify_ahead: the newest checkpoint's
         check, started at the job's start (none: checked when resuming)."""
@@ -481,7 +481,7 @@ def run(cfg: Config) -> dict[str, Any]:
     # Listen before the slow start-up: a signal during it must not kill the job uncheckpointed.
     stop = resilience.StopRequest()
     stop.install()
-    verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
+    verify_ahead = integrity.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     if env.is_main and bytecode.kept_in_run_dir(Path(cfg.run_dir)):
@@ -502,6 +502,7 @@ def run(cfg: Config) -> dict[str, Any]:
         gc.collect()
         return result
     finally:
+        verify_ahead.close()
         dist.destroy_process_group()
         stop.uninstall()
         lock.release()

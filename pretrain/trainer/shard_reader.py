@@ -58,10 +58,10 @@ class ReadCounts:
 class ParallelReader(dcp.FileSystemReader):
     """DCP's file reader, with `threads` files read at a time and tensors read as raw bytes where they can be.
 
-    detached: `read_data` returns as soon as the reads have started, so `dcp.load` returns (its planning and
-    collectives done, on the caller's thread) while the bytes still arrive; `wait` then says when every
-    target holds them. A resumed job builds its compiler meanwhile (Trainer). Never use the targets, nor
-    let them be freed, before `wait` has returned.
+    detached: `read_data` returns as soon as the tensors' reads have started (Python objects among the items
+    are read before), so `dcp.load` returns (its planning and collectives done, on the caller's thread) while
+    their bytes still arrive; `wait` then says when every target holds them. A resumed job builds its
+    compiler meanwhile (Trainer). Never use the targets, nor let them be freed, before `wait` has returned.
     """
 
     def __init__(self, path: str | os.PathLike, threads: int, detached: bool = False) -> None:
@@ -78,9 +78,15 @@ class ParallelReader(dcp.FileSystemReader):
                         if isinstance(md, TensorStorageMetadata)}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        # Python objects first, here: DCP puts a top-level one into the caller's dict when dcp.load returns.
+        objects = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        if objects:
+            super().read_data(replace(plan, items=objects), planner).wait()
+            self.counts.through_dcp += len(objects)
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            if item.type != LoadItemType.BYTE_IO:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="checkpoint-read")
         self._parts = [pool.submit(self._read_file, plan, name, items, planner) for name, items in per_file.items()]
         pool.shutdown(wait=False)

@@ -38,8 +38,8 @@ def compute_copy(master: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 class MasterWeights:
-    """`master` keeps the weights; `compute` (made here) runs the steps. Convert or wrap the compute copy's
-    layers first, then call `track_gradients` once (`Module.compile`, which renames nothing, may come after)."""
+    """`master` keeps the weights; `compute` (made here) runs the steps. Convert, wrap or compile the
+    compute copy's layers first, then call `track_gradients` once."""
 
     def __init__(self, master: nn.Module, dtype: torch.dtype) -> None:
         self.master = master

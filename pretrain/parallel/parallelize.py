@@ -1,4 +1,4 @@
-"""Apply FP8 matmuls, activation checkpointing, FSDP2 and torch.compile to a built model.
+"""Apply FP8 matmuls, FSDP2, activation checkpointing and torch.compile to a built model.
 
 The model knows nothing of this; the training loop calls `build_mesh` and `parallelize`.
 Sharding strategies map onto FSDP2 (`fully_shard`) as follows:
@@ -80,13 +80,9 @@ def apply_compile(model: nn.Module) -> None:
     """Compile each block in place (`Module.compile`: names and state-dict keys stay as they are), as
     one graph (fullgraph=True: a block that would break into pieces fails at its first step instead
     of running slowly). Blocks separately: FSDP2's hooks stay between blocks, and blocks share one
-    compiled graph. Compiling happens at the first call; this imports the compiler now (Dynamo, and
-    Inductor's entry, which the first call would import: about 2 s of Python), so that a resumed job does
-    it while its checkpoint is read. Compiled before or after FSDP2 wraps the blocks, a block runs the same:
-    `Module.compile` compiles its call at the first step, FSDP2's hooks included either way."""
+    compiled graph."""
     for block in model.layers:
         block.compile(fullgraph=True)
-    import torch._inductor.compile_fx  # noqa: F401
 
 
 def persist_compile_cache(folder: Path) -> Path:
@@ -152,10 +148,6 @@ class Parallelized:
     weights: nn.Module
     master: MasterWeights | None = None
 
-    def compile(self) -> None:
-        """torch.compile the blocks that run (apply_compile), once everything else is applied."""
-        apply_compile(self.model)
-
     def weights_changed(self) -> None:
         """Call after the optimizer stepped or the weights were loaded: the compute copy follows."""
         if self.master is not None:
@@ -165,9 +157,8 @@ class Parallelized:
 def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype,
                 float8_recipe: str = "none") -> Parallelized:
     """In this order: FP8 layers replace nn.Linear before anything wraps them; activation
-    checkpointing wraps blocks; FSDP2 shards them. Unwrapped (one process) in a precision below the
-    weights', all of that applies to the compute copy. With fsdp.compile, `Parallelized.compile` comes
-    last: the loop calls it once the optimizer exists and a checkpoint is being read into the weights."""
+    checkpointing wraps blocks before compile traces them; FSDP2 shards what compile produced.
+    Unwrapped (one process) in a precision below the weights', all of that applies to the compute copy."""
     weights, master = model, None
     one_process = unwrapped(cfg, mesh.size())
     if one_process and param_dtype != next(model.parameters()).dtype:
@@ -175,6 +166,8 @@ def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype
         model = master.compute
     float8.convert(model, float8_recipe)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
     if master is not None:
         master.track_gradients()
     elif not one_process:

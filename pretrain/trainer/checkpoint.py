@@ -26,9 +26,7 @@ to the previous checkpoint when the newest is damaged, and renames the damaged o
 never deleting it. A requeued job checks its newest checkpoint from its first moments
 (`integrity.VerifyAhead`, a process of its own), while the process group, the preflight and the model are
 set up. A load reads the rank's files in parallel too, each tensor's bytes straight into its target
-(`shard_reader.ParallelReader`), and in the background (`start_load`): DCP's planning and collectives
-run on the caller's thread, which then goes on with what does not need the weights (a resumed job
-imports its compiler meanwhile) until `PendingLoad.finish`.
+(`shard_reader.ParallelReader`).
 """
 
 from __future__ import annotations
@@ -323,44 +321,18 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
-        return self.start_load(path, model, optimizer).finish()
-
-    def start_load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> PendingLoad:
-        """Start restoring model and optimizer from `path`: DCP's planning and collectives run here, and the
-        tensors' bytes then arrive in the background until `PendingLoad.finish`. Until then, use neither."""
-        started = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state, if it has none
+        model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
-        reader = ParallelReader(path, threads=writer_threads(), detached=True)
+        reader = ParallelReader(path, threads=writer_threads())
         dcp.load(state, storage_reader=reader)
-        return PendingLoad(path, model, optimizer, state, reader, started)
-
-
-@dataclass
-class PendingLoad:
-    """A checkpoint being read into a model and its optimizer (Checkpointer.start_load)."""
-
-    path: Path
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    state: dict[str, Any]
-    reader: ParallelReader
-    started: float
-    seconds: float = 0.0  # from start_load until the last byte was in place (known once finished)
-
-    def finish(self) -> dict[str, Any]:
-        """Wait for the bytes, put the state in place and restore this rank's RNG; returns the saved training
-        state."""
-        counts = self.reader.wait()
-        self.seconds = max(counts.finished, self.started) - self.started
-        log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", self.path.name,
+        counts = reader.counts  # the load's time is logged by its caller, with the step it resumed
+        log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name,
                  counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)
-        set_state_dict(self.model, self.optimizer, model_state_dict=self.state[MODEL_STATE],
-                       optim_state_dict=self.state["optim"])
-        rng_file = self.path / "rng" / f"rank{dist.get_rank()}.pt"
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
+        rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
-        return read_manifest(self.path)["train_state"]
+        return read_manifest(path)["train_state"]
 
 
 @contextmanager

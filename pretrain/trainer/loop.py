@@ -60,14 +60,6 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message says why and what to do."""
 
 
-@dataclass(frozen=True)
-class Resuming:
-    """The checkpoint a job resumes from, being read into its weights and optimizer."""
-
-    path: Path
-    loading: checkpoint.PendingLoad
-
-
 @dataclass
 class TrainState:
     """What a checkpoint keeps of the loop besides weights and optimizer: where training is."""
@@ -136,32 +128,31 @@ class Trainer:
             precision.allow_tf32()
         self.parallel = build_model(cfg, device, self.mesh)
         self.model, self.weights = self.parallel.model, self.parallel.weights
+        self.clock.mark("model")
         self.optimizer = build_optimizer(self.weights, cfg.optim, device)
         self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
         self.skips = SkippedSteps(cfg.train.max_bad_steps, loss_scaled=self.scaler.enabled)
         self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.enabled
-        self.checkpointer = Checkpointer(self.run_dir / rundir.CHECKPOINTS, cfg.train.ckpt_keep,
-                                         async_save=cfg.train.async_checkpoint, device=self.device)
-        self.metrics = rundir.MetricsFile(self.run_dir / rundir.METRICS_FILE)
-        self.state = TrainState()
-        self.clock.mark("model and optimizer")
-        # A resumed job reads its checkpoint from here on, in the background: what follows does not need it.
-        self.resuming = self.start_resume()
-        self.clock.mark("checkpoint check")
-        if cfg.fsdp.compile:
-            self.parallel.compile()
         self.eval_loss_fn = build_loss(cfg.fsdp.compile)
         self.loss_fn = self.faults.poisoned_loss(self.eval_loss_fn, lambda: self.state.step + 1)
         self.data = source.open_train(cfg)
         self.val_data = source.open_val(cfg)
         self.tokenizer = source.tokenizer(cfg) if cfg.train.sample_every else None
+        self.checkpointer = Checkpointer(self.run_dir / rundir.CHECKPOINTS, cfg.train.ckpt_keep,
+                                         async_save=cfg.train.async_checkpoint, device=self.device)
+        self.metrics = rundir.MetricsFile(self.run_dir / rundir.METRICS_FILE)
         self.wandb = WandbRun(cfg, env.is_main)
         self.progress = Progress(cfg, env.world_size, self.global_batch, device, env.is_main, self.metrics, self.wandb)
-        self.clock.mark("compiler, loss and data")
+        self.state = TrainState()
+        self.clock.mark("optimizer and data")
 
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        last_checkpoint = self.finish_resume()
+        last_checkpoint = self.resume()
+        if last_checkpoint is None:
+            self.start_from_weights()
+        elif self.cfg.model.init_from:
+            log.info("model.init_from=%s is not read: the run resumes from its own checkpoint", self.cfg.model.init_from)
         self.clock.mark("checkpoint")
         self.wandb.start(self.state.restarts)
         self.log_start()
@@ -365,9 +356,8 @@ class Trainer:
         return result
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def start_resume(self) -> Resuming | None:
-        """Start reading the newest intact checkpoint; damaged ones are reported, set aside and skipped.
-        `finish_resume` waits for it. Returns None when the run starts from its beginning.
+    def resume(self) -> Path | None:
+        """Load the newest intact checkpoint; damaged ones are reported, set aside and skipped.
 
         When every checkpoint is damaged (now or before: set-aside folders), the run stops rather than
         start again from step 0 over a run that had progress, unless train.start_from_scratch says to.
@@ -383,39 +373,14 @@ class Trainer:
                 self.set_aside(path, damage)
                 continue
             rundir.check_compatible(path, self.cfg.model)
-            return Resuming(path, self.checkpointer.start_load(path, self.weights, self.optimizer))
+            self.load(path)
+            return path
         damaged = rundir.damaged_checkpoints(root)
         if damaged and not self.cfg.train.start_from_scratch:
             raise TrainingError(rundir.all_damaged_message(damaged))
         if damaged:
             log.warning("starting from step 0 (train.start_from_scratch=true): every checkpoint was damaged")
         return None
-
-    def finish_resume(self) -> Path | None:
-        """The checkpoint the run resumes from, once read and in place (start_resume); None for a new run,
-        which starts from model.init_from's weights when it names any."""
-        if self.resuming is None:
-            self.start_from_weights()
-            return None
-        if self.cfg.model.init_from:
-            log.info("model.init_from=%s is not read: the run resumes from its own checkpoint", self.cfg.model.init_from)
-        path, loading = self.resuming.path, self.resuming.loading
-        self.resuming = None
-        waited = time.perf_counter()
-        saved = loading.finish()
-        self.parallel.weights_changed()
-        waited = time.perf_counter() - waited
-        self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
-        self.state.restarts += 1
-        self.skips.skipped, self.skips.in_a_row = self.state.skipped_steps, self.state.bad_in_a_row
-        if "scaler" in saved:
-            self.scaler.load_state_dict(saved["scaler"])
-        if self.env.is_main:
-            self.metrics.truncate_after(self.state.step)
-            self.metrics.write({"step": self.state.step, "ckpt_load_s": loading.seconds})
-        log.info("resumed from %s: read in %.1f s, of which the start waited %.1f s (step %d, %d samples seen)",
-                 path, loading.seconds, waited, self.state.step, self.state.samples)
-        return path
 
     def start_from_weights(self) -> None:
         """A fresh run with model.init_from: those weights instead of random ones (the optimizer starts new)."""
@@ -426,6 +391,22 @@ class Trainer:
         self.parallel.weights_changed()
         log.info("started from the weights of %s (read in %.1f s)", self.cfg.model.init_from,
                  time.perf_counter() - started)
+
+    def load(self, path: Path) -> None:
+        started = time.perf_counter()
+        saved = self.checkpointer.load(path, self.weights, self.optimizer)
+        self.parallel.weights_changed()
+        seconds = time.perf_counter() - started
+        self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
+        self.state.restarts += 1
+        self.skips.skipped, self.skips.in_a_row = self.state.skipped_steps, self.state.bad_in_a_row
+        if "scaler" in saved:
+            self.scaler.load_state_dict(saved["scaler"])
+        if self.env.is_main:
+            self.metrics.truncate_after(self.state.step)
+            self.metrics.write({"step": self.state.step, "ckpt_load_s": seconds})
+        log.info("resumed from %s in %.1f s (step %d, %d samples seen)", path, seconds, self.state.step,
+                 self.state.samples)
 
     def set_aside(self, path: Path, damage: list[str]) -> None:
         """Rename a damaged checkpoint out of the complete ones (rank 0)."""

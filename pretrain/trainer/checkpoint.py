@@ -26,7 +26,8 @@ to the previous checkpoint when the newest is damaged, and renames the damaged o
 never deleting it. A requeued job checks its newest checkpoint from its first moments
 (`integrity.VerifyAhead`, a process of its own), while the process group, the preflight and the model are
 set up. A load reads the rank's files in parallel too, each tensor's bytes straight into its target
-(`shard_reader.ParallelReader`).
+(`shard_reader.ParallelReader`): first the model's, then, in the background, the optimizer's, which a
+resumed job's first forward and backward do not need (`load_model_first`, `OptimizerRead`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_optimizer_state_dict
 
 from pretrain.config import ModelConfig
 from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
@@ -54,7 +55,7 @@ from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_chec
 from pretrain.trainer import integrity, resilience
 from pretrain.trainer.integrity import digest, writer_threads, written_by
 from pretrain.trainer.distributed import all_agree, collective_failed
-from pretrain.trainer.shard_reader import ParallelReader
+from pretrain.trainer.shard_reader import ParallelReader, ReadCounts
 from pretrain.trainer.staging import HostStaging
 
 log = logging.getLogger(__name__)
@@ -321,18 +322,54 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {MODEL_STATE: model_sd, "optim": optim_sd}
+        train_state, optimizer_read = self.load_model_first(path, model, optimizer)
+        optimizer_read.finish()
+        return train_state
+
+    def load_model_first(self, path: Path, model: torch.nn.Module,
+                         optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], OptimizerRead]:
+        """Restore the model and this rank's RNG from `path`, and start reading the optimizer's state in the
+        background; returns the saved training state and that read, whose `finish` must come before the
+        optimizer's next step. A resumed job's first forward and backward, and their compilation, need no
+        optimizer state: with AdamW two thirds of a checkpoint's bytes arrive meanwhile."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state, if it has none
         reader = ParallelReader(path, threads=writer_threads())
-        dcp.load(state, storage_reader=reader)
-        counts = reader.counts  # the load's time is logged by its caller, with the step it resumed
-        log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name,
-                 counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)
-        set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
+        dcp.load({MODEL_STATE: model_sd}, storage_reader=reader)
+        _log_read(path, "model", reader.counts)
+        set_model_state_dict(model, model_sd)
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
-        return read_manifest(path)["train_state"]
+        started = time.perf_counter()
+        optimizer_reader = ParallelReader(path, threads=writer_threads(), detached=True)
+        dcp.load({"optim": optim_sd}, storage_reader=optimizer_reader)  # returns with the tensors still arriving
+        read = OptimizerRead(path, model, optimizer, optim_sd, optimizer_reader, started)
+        return read_manifest(path)["train_state"], read
+
+
+@dataclass
+class OptimizerRead:
+    """The optimizer's state of a checkpoint, being read into its tensors (Checkpointer.load_model_first)."""
+
+    path: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    state: dict[str, Any]
+    reader: ParallelReader
+    started: float
+
+    def finish(self) -> tuple[float, float]:
+        """Wait for the bytes and put the state in place; returns the read's seconds, and those waited here."""
+        waiting = time.perf_counter()
+        counts = self.reader.wait()
+        _log_read(self.path, "optimizer", counts)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=self.state)
+        return max(counts.finished, self.started) - self.started, time.perf_counter() - waiting
+
+
+def _log_read(path: Path, part: str, counts: ReadCounts) -> None:
+    log.info("%s, %s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name, part,
+             counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)
 
 
 @contextmanager

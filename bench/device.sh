@@ -29,7 +29,8 @@ trap 'tar -czf "$OUT/results.tgz" -C /tmp results' EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$results/machine.txt"
 
 # The other side of an A/B: the package as it is, with the files under .ab/ (paths as in the repository) over it.
-ab_tree() { rm -rf /tmp/ab && mkdir /tmp/ab && cp -r pretrain conf pyproject.toml /tmp/ab/ && cp -r .ab/. /tmp/ab/; }
+# AB names another folder of such files (default .ab), for a third side in one call.
+ab_tree() { rm -rf /tmp/ab && mkdir /tmp/ab && cp -r pretrain conf pyproject.toml /tmp/ab/ && cp -r "${AB:-.ab}"/. /tmp/ab/; }
 # Extra arguments of every restart phase, e.g. RESTART_ARGS="--repeats 2 --every 5 --skip-empty-cache".
 RESTART_ARGS=${RESTART_ARGS:-}
 

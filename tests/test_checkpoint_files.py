@@ -4,16 +4,14 @@ for asynchronous saves the digests are computed off the training thread."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 
 import pytest
 import torch
 
-from pretrain.trainer import checkpoint, integrity
+from pretrain.trainer import checkpoint
 from pretrain.rundir import read_manifest
-from pretrain.trainer.checkpoint import Checkpointer
-from pretrain.trainer.integrity import crc32_of, problems
+from pretrain.trainer.checkpoint import Checkpointer, crc32_of, problems
 from pretrain.config import ModelConfig
 from tests import helpers
 
@@ -121,32 +119,21 @@ def test_each_rank_checks_the_files_it_wrote_and_rank_0_the_others(tmp_path):
         "__1_0.distcp fails its checksum", "extra.bin fails its checksum"]
 
 
-def test_the_newest_checkpoint_is_checked_ahead_in_a_process_of_its_own_and_others_when_asked(
+def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_when_asked(
         tmp_path, one_process_group, monkeypatch):
     model, optimizer = model_and_optimizer()
     saver = Checkpointer(tmp_path, keep=5)
     older = saver.save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")
     newest = saver.save(6, model, optimizer, {"step": 6}, ModelConfig(), "hash")
     damage(newest / "__0_0.distcp")
-    checked_here = []
-    check = integrity.problems
-    monkeypatch.setattr(integrity, "problems", lambda path, *a: checked_here.append(path) or check(path, *a))
+    checking_threads = []
+    check = checkpoint.problems
+    monkeypatch.setattr(checkpoint, "problems", lambda *a: checking_threads.append(threading.current_thread()) or check(*a))
 
-    ahead = integrity.VerifyAhead(tmp_path, rank=0, world_size=1)
+    ahead = checkpoint.VerifyAhead(tmp_path, rank=0, world_size=1)
     assert ahead.path == newest
     assert checkpoint.verify(newest, ahead) == ["__0_0.distcp fails its checksum"]
-    assert checked_here == []  # the newest was checked by the other process
+    assert checking_threads[0].name.startswith("checkpoint-verify") and len(checking_threads) == 1
     assert ahead.problems_of(older) is None and checkpoint.verify(older, ahead) == []
-    assert checked_here == [older]
-    assert integrity.VerifyAhead(tmp_path / "none", rank=0, world_size=1).path is None
-
-
-def test_a_check_ahead_whose_process_fails_is_done_again_in_the_job(tmp_path, one_process_group, monkeypatch):
-    model, optimizer = model_and_optimizer()
-    newest = Checkpointer(tmp_path, keep=5).save(6, model, optimizer, {"step": 6}, ModelConfig(), "hash")
-    damage(newest / "rng" / "rank0.pt")
-    monkeypatch.setattr(integrity.sys, "executable", shutil.which("false"))  # the checking process exits with 1
-
-    ahead = integrity.VerifyAhead(tmp_path, rank=0, world_size=1)
-    assert ahead.problems_of(newest) == ["rng/rank0.pt fails its checksum"]
-    ahead.close()
+    assert checking_threads[1] is threading.main_thread()
+    assert checkpoint.VerifyAhead(tmp_path / "none", rank=0, world_size=1).path is None

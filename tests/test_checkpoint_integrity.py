@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pretrain.rundir import complete_checkpoints
-from pretrain.trainer.integrity import problems
+from pretrain.trainer.checkpoint import problems
 from tests.helpers import MINI_MODEL, REPO, assert_same_losses, last_step_record, launch, losses
 
 SETTINGS = ("precision=fp32", "train.log_every=1", "train.eval_every=0")

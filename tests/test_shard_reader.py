@@ -22,17 +22,13 @@ def saved_state() -> dict:
             "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "note": "not a tensor"}
 
 
-@pytest.mark.parametrize("detached", [False, True])
-def test_every_tensor_is_read_as_raw_bytes_into_its_target_exactly(tmp_path, detached):
-    """Detached, dcp.load returns once the reads have started; after `wait` everything is in place,
-    the byte items too."""
+def test_every_tensor_is_read_as_raw_bytes_into_its_target_exactly(tmp_path):
     state = saved_state()
     with helpers.one_process_group():
         dcp.save(state, checkpoint_id=str(tmp_path))
         into = {k: torch.full_like(v, 7) if isinstance(v, torch.Tensor) else "" for k, v in state.items()}
-        reader = ParallelReader(tmp_path, threads=3, detached=detached)
+        reader = ParallelReader(tmp_path, threads=3)
         dcp.load(into, storage_reader=reader)
-        reader.wait()
     for name, value in state.items():
         if isinstance(value, torch.Tensor):
             assert into[name].dtype == value.dtype and torch.equal(into[name], value), name
@@ -78,8 +74,6 @@ def test_only_a_tensor_that_is_its_whole_storage_in_row_major_order_is_located(t
 
 
 def _load_as_shards(rank: int, port: int, folder: str, results: dict) -> None:
-    """Detached: DCP's collectives are over when dcp.load returns, so the rank's own collectives may follow
-    at once, before the bytes are waited for."""
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -88,12 +82,8 @@ def _load_as_shards(rank: int, port: int, folder: str, results: dict) -> None:
         mesh = init_device_mesh("cpu", (2,))
         into = {"rows": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]),
                 "columns": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)])}
-        reader = ParallelReader(folder, threads=2, detached=True)
+        reader = ParallelReader(folder, threads=2)
         dcp.load(into, storage_reader=reader)
-        ranks = torch.tensor([float(rank)])
-        dist.all_reduce(ranks)
-        assert ranks.item() == 1.0
-        reader.wait()
         results[rank] = ({k: v.to_local().clone() for k, v in into.items()},
                          (reader.counts.direct, reader.counts.through_dcp))
         dist.barrier()

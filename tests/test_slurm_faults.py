@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.rundir import complete_checkpoints
-from pretrain.trainer.integrity import problems
+from pretrain.trainer.checkpoint import problems
 from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
 from tests.test_slurm_submit import (PREEMPT, assert_resumed_to_the_same_end, job_id_of, losses, submit,  # noqa: F401
                                      uninterrupted_loss, wait_for_step, write_cluster_conf)

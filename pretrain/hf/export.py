@@ -31,7 +31,7 @@ from pretrain.hf import tokenizer_files
 from pretrain.hf.checkpoint_weights import CheckpointWeights
 from pretrain.hf.layout import to_hf
 from pretrain.rundir import CheckpointError
-from pretrain.trainer import integrity
+from pretrain.trainer import checkpoint
 
 MAX_SHARD_GB = 5.0  # as transformers' save_pretrained (10**9 bytes)
 
@@ -119,7 +119,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "bf16
     cfg = rundir.load_config(run_dir)
     path = rundir.checkpoint_of(run_dir, step)
     rundir.check_compatible(path, cfg.model)
-    damage = integrity.problems(path)
+    damage = checkpoint.problems(path)
     if damage:
         raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(damage[:3])}); export an earlier one "
                               "with --step N")

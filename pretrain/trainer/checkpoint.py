@@ -19,15 +19,15 @@ shards with `dcp.save` over a gloo group of its own, and the folder is published
 barrier, manifest and rename, once every rank has finished writing (`poll`, `wait`).
 
 Each rank writes its shards as several files with as many threads (`writer_threads`). The
-manifest lists every file of the checkpoint with its size and CRC32 (pretrain.trainer.integrity); each
-rank digests the files it wrote, in parallel and, for asynchronous saves, in the writer thread, so
-training never waits for the digests. `verify` checks them before a load; the training start falls back
-to the previous checkpoint when the newest is damaged, and renames the damaged one aside (`.damaged`),
-never deleting it. A requeued job checks its newest checkpoint from its first moments
-(`integrity.VerifyAhead`, a process of its own), while the process group, the preflight and the model are
-set up. A load reads the rank's files in parallel too, each tensor's bytes straight into its target
-(`shard_reader.ParallelReader`): first the model's, then, in the background, the optimizer's, which a
-resumed job's first forward and backward do not need (`load_model_first`, `OptimizerRead`).
+manifest lists every file of the checkpoint with its size and CRC32; each rank digests the files
+it wrote, in parallel and, for asynchronous saves, in the writer thread, so training never waits
+for the digests. `verify` checks them before a load, several files at a time; the training start
+falls back to the previous checkpoint when the newest is damaged, and renames the damaged one aside
+(`.damaged`), never deleting it. A load reads the rank's files in parallel too, each tensor's bytes
+straight into its target (`shard_reader.ParallelReader`): a requeued job waits for its checkpoint before
+its first step. So that it waits less, the job checks
+its newest checkpoint from its first moments (`VerifyAhead`), while the process group, the preflight
+and the model are set up; that read also leaves the rank's files in the node's page cache for the load.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -47,15 +49,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pretrain.config import ModelConfig
 from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
                              step_dir_name, step_of)
-from pretrain.trainer import integrity, resilience
-from pretrain.trainer.integrity import digest, writer_threads, written_by
+from pretrain.trainer import resilience
 from pretrain.trainer.distributed import all_agree, collective_failed
-from pretrain.trainer.shard_reader import ParallelReader, ReadCounts
+from pretrain.trainer.shard_reader import ParallelReader
 from pretrain.trainer.staging import HostStaging
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,27 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    """Size and CRC32 of each file, several files at a time (zlib releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
+        crcs = list(pool.map(crc32_of, [folder / name for name in names]))
+    return {name: {"size": (folder / name).stat().st_size, "crc32": crc} for name, crc in zip(names, crcs)}
+
+
+def writer_threads() -> int:
+    """Threads (and files) per rank for writing and digesting shards: up to 8, within the CPUs the
+    rank may use (under Slurm, its task's)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
 def save_shards(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:
     """Write this rank's shards with several threads; returns the digests of the files it wrote."""
     writer = dcp.FileSystemWriter(str(partial), thread_count=writer_threads())
@@ -136,11 +158,88 @@ def save_shards(state: dict[str, Any], partial: Path, group: dist.ProcessGroup |
     return digest(partial, written_by(partial, dist.get_rank()))
 
 
-def verify(path: Path, ahead: integrity.VerifyAhead | None = None) -> list[str]:
+def written_by(folder: Path, rank: int) -> list[str]:
+    """The files of a checkpoint folder that `rank` wrote: its DCP shards and its RNG state
+    (rank 0 also wrote DCP's .metadata)."""
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    return [name for name in names if writer_of(name) == rank]
+
+
+def writer_of(name: str) -> int | None:
+    """The rank that wrote a checkpoint file (`__R_I.distcp`, `rng/rankR.pt`; rank 0 `.metadata`)."""
+    if name == ".metadata":
+        return 0
+    match = _WRITER.fullmatch(name)
+    return int(match.group(1) or match.group(2)) if match else None
+
+
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt")
+
+
+def problems(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with a checkpoint folder's files: with world_size ranks checking, rank's share.
+
+    Written by as many ranks as check it, each rank checks the files it wrote, which are those it will
+    load (on a node of its own, the read leaves them in that node's page cache); otherwise every
+    world_size-th file from rank.
+    """
+    try:
+        manifest = read_manifest(path)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return [f"unreadable manifest ({err})"]
+    if manifest.get("world_size") == world_size:
+        writers = {name: writer_of(name) for name in files}
+        share = sorted(name for name, writer in writers.items()
+                       if writer == rank or (rank == 0 and (writer is None or writer >= world_size)))
+    else:
+        share = sorted(files)[rank::world_size]
+
+    def problem(name: str) -> str | None:
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != files[name]["size"]:
+            return f"{name} has {file.stat().st_size} bytes, not {files[name]['size']}"
+        if crc32_of(file) != files[name]["crc32"]:
+            return f"{name} fails its checksum"
+        return None
+
+    # Several files at a time, as they were written: one after the other, a resume of the 1B shape
+    # spent 12 s on its 17 GiB of checksums.
+    with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
+        return [p for p in pool.map(problem, share) if p]
+
+
+class VerifyAhead:
+    """This rank's share of the newest complete checkpoint's check (`problems`), in a background thread
+    started before the process group exists: a requeued job's start-up then overlaps it.
+
+    `verify` takes its result for that folder; any other folder (an older one after a damaged newest,
+    or one `tidy` published meanwhile) is checked when asked.
+    """
+
+    def __init__(self, root: Path, rank: int, world_size: int) -> None:
+        found = complete_checkpoints(root)
+        self.path: Path | None = found[-1] if found else None
+        self._result: Future | None = None
+        if self.path is not None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify")
+            self._result = pool.submit(problems, self.path, rank, world_size)
+            pool.shutdown(wait=False)
+
+    def problems_of(self, path: Path) -> list[str] | None:
+        """This rank's problems with `path` if it was checked ahead (waiting for the check), else None."""
+        if self._result is None or path != self.path:
+            return None
+        return self._result.result()
+
+
+def verify(path: Path, ahead: VerifyAhead | None = None) -> list[str]:
     """Check a checkpoint's files, split across ranks; every rank gets the whole list of problems."""
     mine = ahead.problems_of(path) if ahead is not None else None
     if mine is None:
-        mine = integrity.problems(path, dist.get_rank(), dist.get_world_size())
+        mine = problems(path, dist.get_rank(), dist.get_world_size())
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     return [problem for part in gathered for problem in part]
@@ -322,54 +421,18 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
-        train_state, optimizer_read = self.load_model_first(path, model, optimizer)
-        optimizer_read.finish()
-        return train_state
-
-    def load_model_first(self, path: Path, model: torch.nn.Module,
-                         optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], OptimizerRead]:
-        """Restore the model and this rank's RNG from `path`, and start reading the optimizer's state in the
-        background; returns the saved training state and that read, whose `finish` must come before the
-        optimizer's next step. A resumed job's first forward and backward, and their compilation, need no
-        optimizer state: with AdamW two thirds of a checkpoint's bytes arrive meanwhile."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state, if it has none
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {MODEL_STATE: model_sd, "optim": optim_sd}
         reader = ParallelReader(path, threads=writer_threads())
-        dcp.load({MODEL_STATE: model_sd}, storage_reader=reader)
-        _log_read(path, "model", reader.counts)
-        set_model_state_dict(model, model_sd)
+        dcp.load(state, storage_reader=reader)
+        counts = reader.counts  # the load's time is logged by its caller, with the step it resumed
+        log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name,
+                 counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
-        started = time.perf_counter()
-        optimizer_reader = ParallelReader(path, threads=writer_threads(), detached=True)
-        dcp.load({"optim": optim_sd}, storage_reader=optimizer_reader)  # returns with the tensors still arriving
-        read = OptimizerRead(path, model, optimizer, optim_sd, optimizer_reader, started)
-        return read_manifest(path)["train_state"], read
-
-
-@dataclass
-class OptimizerRead:
-    """The optimizer's state of a checkpoint, being read into its tensors (Checkpointer.load_model_first)."""
-
-    path: Path
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    state: dict[str, Any]
-    reader: ParallelReader
-    started: float
-
-    def finish(self) -> tuple[float, float]:
-        """Wait for the bytes and put the state in place; returns the read's seconds, and those waited here."""
-        waiting = time.perf_counter()
-        counts = self.reader.wait()
-        _log_read(self.path, "optimizer", counts)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=self.state)
-        return max(counts.finished, self.started) - self.started, time.perf_counter() - waiting
-
-
-def _log_read(path: Path, part: str, counts: ReadCounts) -> None:
-    log.info("%s, %s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name, part,
-             counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)
+        return read_manifest(path)["train_state"]
 
 
 @contextmanager

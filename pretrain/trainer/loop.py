@@ -40,7 +40,7 @@ from pretrain.parallel import float8
 from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
-from pretrain.trainer import bytecode, checkpoint, distributed, integrity, logs, precision, preflight, resilience
+from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience
 from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
@@ -98,7 +98,7 @@ def config_hash(cfg: Config) -> str:
 class Trainer:
     def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device,
                  stop: resilience.StopRequest | None = None, clock: StartupClock | None = None,
-                 verify_ahead: integrity.VerifyAhead | None = None) -> None:
+                 verify_ahead: checkpoint.VerifyAhead | None = None) -> None:
         """stop: the signal listener the loop asks at each step boundary (none installed by default);
         clock: the job's start-up so far (a new one by default); verify_ahead: the newest checkpoint's
         check, started at the job's start (none: checked when resuming)."""
@@ -144,7 +144,6 @@ class Trainer:
         self.wandb = WandbRun(cfg, env.is_main)
         self.progress = Progress(cfg, env.world_size, self.global_batch, device, env.is_main, self.metrics, self.wandb)
         self.state = TrainState()
-        self.optimizer_read: checkpoint.OptimizerRead | None = None  # a resume's, until the first optimizer step
         self.clock.mark("optimizer and data")
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -160,7 +159,6 @@ class Trainer:
         train, loss = self.cfg.train, float("nan")
         if self.state.step >= train.steps:
             log.info("nothing to train: the run is already at step %d of train.steps=%d", self.state.step, train.steps)
-            self.optimizer_state_ready()
             loss = self.last_logged_loss()
         watchdog = resilience.StepWatchdog(train.hang_timeout_s)
         self.progress.start(self.state.step)
@@ -198,6 +196,7 @@ class Trainer:
         A non-finite norm skips the update on every rank alike (SkippedSteps).
         """
         self.skips.settle()
+        set_lr(self.optimizer, self.cfg.optim.lr * lr_factor(self.state.step, self.cfg.optim, self.cfg.train.steps))
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets = self.batch(micro)
@@ -211,8 +210,6 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.checkpointer.wait_for_staging()
-        self.optimizer_state_ready()
-        set_lr(self.optimizer, self.cfg.optim.lr * lr_factor(self.state.step, self.cfg.optim, self.cfg.train.steps))
         stepped = self.skips.step(self.optimizer, norm, self.state.step + 1, on_device=self.skip_on_device)
         if stepped is not None:
             self.scaler.update(stepped)
@@ -221,12 +218,6 @@ class Trainer:
         self.state.step += 1
         self.state.samples += self.global_batch
         return loss_sum, norm
-
-    def optimizer_state_ready(self) -> None:
-        """After a resume, wait for the optimizer's state, read beside the first step (Checkpointer.load_model_first)."""
-        read, self.optimizer_read = self.optimizer_read, None
-        if read is not None:
-            log.info("optimizer state read in %.1f s beside the first step, which waited %.2f s for it", *read.finish())
 
     def batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batch `micro` of the current step, on the device."""
@@ -402,9 +393,8 @@ class Trainer:
                  time.perf_counter() - started)
 
     def load(self, path: Path) -> None:
-        """Restore the model, RNG and training state; the optimizer's state arrives by the first optimizer step."""
         started = time.perf_counter()
-        saved, self.optimizer_read = self.checkpointer.load_model_first(path, self.weights, self.optimizer)
+        saved = self.checkpointer.load(path, self.weights, self.optimizer)
         self.parallel.weights_changed()
         seconds = time.perf_counter() - started
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
@@ -415,8 +405,8 @@ class Trainer:
         if self.env.is_main:
             self.metrics.truncate_after(self.state.step)
             self.metrics.write({"step": self.state.step, "ckpt_load_s": seconds})
-        log.info("resumed from %s in %.1f s (step %d, %d samples seen); its optimizer state is read beside the first "
-                 "step", path, seconds, self.state.step, self.state.samples)
+        log.info("resumed from %s in %.1f s (step %d, %d samples seen)", path, seconds, self.state.step,
+                 self.state.samples)
 
     def set_aside(self, path: Path, damage: list[str]) -> None:
         """Rename a damaged checkpoint out of the complete ones (rank 0)."""
@@ -428,7 +418,6 @@ class Trainer:
 
     def save(self) -> Path:
         """A checkpoint of this step (never of non-finite weights); returns its folder."""
-        self.optimizer_state_ready()
         self.skips.settle()
         self.checkpoint_done(self.collect_checkpoint(wait=True))
         started = time.perf_counter()
@@ -492,7 +481,7 @@ def run(cfg: Config) -> dict[str, Any]:
     # Listen before the slow start-up: a signal during it must not kill the job uncheckpointed.
     stop = resilience.StopRequest()
     stop.install()
-    verify_ahead = integrity.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
+    verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     if env.is_main and bytecode.kept_in_run_dir(Path(cfg.run_dir)):
@@ -513,7 +502,6 @@ def run(cfg: Config) -> dict[str, Any]:
         gc.collect()
         return result
     finally:
-        verify_ahead.close()
         dist.destroy_process_group()
         stop.uninstall()
         lock.release()

@@ -21,10 +21,8 @@ import os
 import pickle
 import struct
 import sys
-import time
 import zipfile
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,37 +38,26 @@ CHUNK_BYTES = 32 << 20
 
 @dataclass
 class ReadCounts:
-    """What a load read: tensors straight into their targets (and their bytes), items DCP's own path read, and
-    when it was done."""
+    """What a load read: tensors straight into their targets (and their bytes), and items DCP's own path read."""
 
     direct: int = 0
     direct_bytes: int = 0
     through_dcp: int = 0
-    finished: float = 0.0  # time.perf_counter() when the last of them was in place
 
     def add(self, other: ReadCounts) -> None:
         self.direct += other.direct
         self.direct_bytes += other.direct_bytes
         self.through_dcp += other.through_dcp
-        self.finished = max(self.finished, other.finished)
 
 
 class ParallelReader(dcp.FileSystemReader):
-    """DCP's file reader, with `threads` files read at a time and tensors read as raw bytes where they can be.
+    """DCP's file reader, with `threads` files read at a time and tensors read as raw bytes where they can be."""
 
-    detached: `read_data` returns as soon as the tensors' reads have started (Python objects among the items
-    are read before), so `dcp.load` returns (its planning and collectives done, on the caller's thread) while
-    their bytes still arrive; `wait` then says when every target holds them. A resumed job builds its
-    compiler meanwhile (Trainer). Never use the targets, nor let them be freed, before `wait` has returned.
-    """
-
-    def __init__(self, path: str | os.PathLike, threads: int, detached: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, threads: int) -> None:
         super().__init__(path)
         self.threads = threads
-        self.detached = detached
         self.counts = ReadCounts()
         self._dtypes: dict[str, torch.dtype] = {}
-        self._parts: list[Future[ReadCounts]] = []
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -78,31 +65,16 @@ class ParallelReader(dcp.FileSystemReader):
                         if isinstance(md, TensorStorageMetadata)}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        # Python objects first, here: DCP puts a top-level one into the caller's dict when dcp.load returns.
-        objects = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
-        if objects:
-            super().read_data(replace(plan, items=objects), planner).wait()
-            self.counts.through_dcp += len(objects)
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            if item.type != LoadItemType.BYTE_IO:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="checkpoint-read")
-        self._parts = [pool.submit(self._read_file, plan, name, items, planner) for name, items in per_file.items()]
-        pool.shutdown(wait=False)
-        if not self.detached:
-            self.wait()
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="checkpoint-read") as pool:
+            parts = [pool.submit(self._read_file, plan, name, items, planner) for name, items in per_file.items()]
+            for part in parts:
+                self.counts.add(part.result())
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
-
-    def wait(self) -> ReadCounts:
-        """Wait until every item is in its target (raising what a read raised); returns what was read."""
-        parts, self._parts = self._parts, []
-        futures.wait(parts)  # all of them, before any error is raised: none may still be writing then
-        for part in parts:
-            self.counts.add(part.result())
-        return self.counts
 
     def _read_file(self, plan: LoadPlan, name: str, items: list[ReadItem], planner: LoadPlanner) -> ReadCounts:
         """Read one file's items: the raw ones here, the rest through FileSystemReader.read_data."""
@@ -127,7 +99,6 @@ class ParallelReader(dcp.FileSystemReader):
         if rest:
             super().read_data(replace(plan, items=rest), planner).wait()
             counts.through_dcp = len(rest)
-        counts.finished = time.perf_counter()
         return counts
 
     def _direct_read(self, item: ReadItem, planner: LoadPlanner, fd: int) -> tuple[torch.Tensor, int] | None:

@@ -131,3 +131,21 @@ def test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does(tmp_path):
     plain, wrapped = losses(tmp_path / "plain"), losses(tmp_path / "wrapped")
     assert plain[1] == wrapped[1]
     assert [plain[s] for s in range(2, 7)] == pytest.approx([wrapped[s] for s in range(2, 7)], abs=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_buffers_reserved_at_the_start_are_the_ones_a_load_reads_through(monkeypatch):
+    """reserve_pinned_buffers, in a thread of its own as a requeued job runs it, leaves pinned memory in torch's
+    cache: the buffers a load then takes are made without pinning any more host memory."""
+    import threading
+
+    from pretrain.trainer import shard_reader
+
+    monkeypatch.setattr(shard_reader, "CHUNK_BYTES", 3 << 20)  # a size nothing else in this process pins
+    reserving = threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(torch.device("cuda"), 2))
+    reserving.start()
+    reserving.join()
+    pinned = torch.cuda.host_memory_stats()["num_host_alloc"]
+    buffers = [torch.empty(shard_reader.CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
+    assert all(b.is_pinned() for b in buffers)
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == pinned

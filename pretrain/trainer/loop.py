@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from pretrain.parallel import float8
 from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
-from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience
+from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience, shard_reader
 from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
@@ -482,6 +483,9 @@ def run(cfg: Config) -> dict[str, Any]:
     stop = resilience.StopRequest()
     stop.install()
     verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
+    if verify_ahead.path is not None and device.type == "cuda":
+        threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(device, checkpoint.writer_threads()),
+                         name="checkpoint-buffers", daemon=True).start()
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     if env.is_main and bytecode.kept_in_run_dir(Path(cfg.run_dir)):

@@ -237,6 +237,15 @@ class _FileRange(io.RawIOBase):
         return got
 
 
+def reserve_pinned_buffers(device: torch.device, threads: int) -> None:
+    """Pin the host memory of a load's buffers (two per file of `threads`) and hand it to torch's pinned-memory
+    cache, where the load's own buffers then come from. Pinning takes the driver a while; in a background
+    thread from the job's first moments, a requeued job's load does not wait for it."""
+    torch.cuda.set_device(device)  # a new thread starts on GPU 0: no context there for another GPU's rank
+    buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2 * threads)]
+    del buffers
+
+
 class _FileReading:
     """One file's direct reads: its descriptor and, for GPU targets, a stream and two pinned buffers."""
 

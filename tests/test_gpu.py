@@ -142,7 +142,8 @@ def test_pinned_buffers_reserved_at_the_start_are_the_ones_a_load_reads_through(
     from pretrain.trainer import shard_reader
 
     monkeypatch.setattr(shard_reader, "CHUNK_BYTES", 3 << 20)  # a size nothing else in this process pins
-    reserving = threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(torch.device("cuda"), 2))
+    device = torch.device("cuda", torch.cuda.current_device())  # as the job passes it: with its index
+    reserving = threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(device, 2))
     reserving.start()
     reserving.join()
     pinned = torch.cuda.host_memory_stats()["num_host_alloc"]

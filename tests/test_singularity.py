@@ -137,19 +137,27 @@ def test_definition_holds_no_secrets():
 
 
 def stand_in(bin_dir: Path, name: str, body: str) -> None:
+    """A script named NAME in bin_dir; it replaces the link to the real tool, never writes through it."""
     path = bin_dir / name
+    path.unlink(missing_ok=True)
     path.write_text(f"#!{BASH}\n{body}\n")
     path.chmod(0o755)
 
 
 @pytest.fixture
 def bin_dir(tmp_path):
-    """A PATH holding only the tools build.sh uses, so no real apptainer or singularity is found."""
+    """A PATH holding only the tools build.sh uses, so no real apptainer or singularity is found.
+
+    The real tools are links here; the fixture checks on the way out that no stand-in reached them
+    (run as root, a write through the link to /usr/bin/id once replaced the machine's own)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("realpath", "dirname", "cat", "id"):
-        (bin_dir / tool).symlink_to(shutil.which(tool))
-    return bin_dir
+    real = {tool: Path(shutil.which(tool)) for tool in ("realpath", "dirname", "cat", "id")}
+    before = {tool: path.read_bytes() for tool, path in real.items()}
+    for tool, path in real.items():
+        (bin_dir / tool).symlink_to(path)
+    yield bin_dir
+    assert {tool: path.read_bytes() for tool, path in real.items()} == before
 
 
 def test_build_without_a_runtime_says_what_to_do(bin_dir, tmp_path):

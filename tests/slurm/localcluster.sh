@@ -206,16 +206,53 @@ slurm() { SLURM_CONF=$CONF "$@"; }
 # ---------------------------------------------------------------------------
 # install
 
+# Of PACKAGES, those that dpkg has not set up completely (unpacked or half-configured); none where
+# there is no dpkg.
+unconfigured_packages() {
+    command -v dpkg-query >/dev/null || return 0
+    local p out=()
+    for p in "${PACKAGES[@]}"; do
+        [[ $(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null) == ii* ]] || out+=("$p")
+    done
+    echo "${out[*]}"
+}
+
+# Package scripts decide whether a system user exists with `id -u NAME`. Versions of
+# tests/test_singularity.py before 2026-12-03 overwrote /usr/bin/id through a symlink when run as
+# root, with a stand-in that answers 1000 for every name; on such a machine munge and slurm were left
+# half-configured, with no munge or slurm user. Put coreutils' id back, add the slurm user, then let
+# the packages finish their set-up (munge's postinst adds its own user).
+repair_package_setup() {
+    if dpkg --verify coreutils 2>/dev/null | grep -q ' /usr/bin/id$'; then
+        log "/usr/bin/id is not coreutils' own: reinstalling coreutils"
+        # The reinstall succeeds even where apt then fails to configure the half-set-up packages.
+        apt-get install -y -q --reinstall coreutils >&2 || true
+        ! dpkg --verify coreutils 2>/dev/null | grep -q ' /usr/bin/id$' || die "could not restore /usr/bin/id"
+    fi
+    if ! getent passwd slurm >/dev/null && dpkg-query -W slurm-wlm-basic-plugins >/dev/null 2>&1; then
+        # slurm-wlm-basic-plugins adds it in its preinst on a first install only, so a reinstall won't.
+        log "no slurm user: adding it as slurm-wlm-basic-plugins' preinst does"
+        adduser --quiet --system --group --uid 64030 --no-create-home --home /nonexistent slurm >&2
+    fi
+    dpkg --configure -a >&2 || die "dpkg --configure -a failed on: $(unconfigured_packages)"
+}
+
 cmd_install() {
-    local missing
+    local missing unconfigured
     missing=$(missing_binaries)
-    if [[ -z $missing ]]; then
+    unconfigured=$(unconfigured_packages)
+    if [[ -z $missing && -z $unconfigured ]]; then
         log "packages already installed"
         return 0
     fi
-    [[ $EUID -eq 0 ]] || die "missing: $missing; installing needs root (apt-get install ${PACKAGES[*]})"
-    command -v apt-get >/dev/null || die "missing: $missing; no apt-get here, install ${PACKAGES[*]} by hand"
+    local needs="${missing:+missing: $missing; }${unconfigured:+not completely set up: $unconfigured; }"
+    [[ $EUID -eq 0 ]] || die "${needs}installing needs root (apt-get install ${PACKAGES[*]})"
+    command -v apt-get >/dev/null || die "${needs}no apt-get here, install ${PACKAGES[*]} by hand"
     export DEBIAN_FRONTEND=noninteractive
+    if [[ -n $unconfigured ]]; then
+        log "not completely set up: $unconfigured; repairing"
+        repair_package_setup
+    fi
     log "installing ${PACKAGES[*]}"
     # Install from the existing package lists first; refresh them only if needed.
     if ! apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" >&2; then
@@ -224,6 +261,8 @@ cmd_install() {
     fi
     missing=$(missing_binaries)
     [[ -z $missing ]] || die "still missing after install: $missing"
+    unconfigured=$(unconfigured_packages)
+    [[ -z $unconfigured ]] || die "not completely set up after install: $unconfigured (see dpkg's messages above)"
 }
 
 # ---------------------------------------------------------------------------

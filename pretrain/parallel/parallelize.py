@@ -13,7 +13,6 @@ One process (any strategy) trains without FSDP unless fsdp.wrap_single_rank says
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -96,22 +95,6 @@ def persist_compile_cache(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder
-
-
-def save_traced_frames() -> float | None:
-    """Write what Dynamo traced into the compile cache, where torch's caching precompile is on.
-
-    With TORCHINDUCTOR caches alone a requeued job still traces every compiled frame with Dynamo
-    (1-2 s for the 1B model); torch's experimental caching precompile (TORCH_CACHING_PRECOMPILE=1,
-    torch 2.9 and newer) also keeps Dynamo's output and guards, and loads them instead. Returns the
-    seconds the write took, or None where the switch is off or this torch lacks it."""
-    import torch._dynamo.config as dynamo_config
-
-    if not getattr(dynamo_config, "caching_precompile", False):
-        return None
-    started = time.perf_counter()
-    torch.compiler.save_cache_artifacts()
-    return time.perf_counter() - started
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype) -> None:

@@ -38,8 +38,7 @@ from pretrain.hf import weights as hf_weights
 from pretrain.models.llama import Transformer
 from pretrain.models.sampling import continue_text
 from pretrain.parallel import float8
-from pretrain.parallel.parallelize import (Parallelized, build_mesh, parallelize, persist_compile_cache,
-                                           save_traced_frames, sync_gradients)
+from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
 from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience, shard_reader
@@ -239,8 +238,6 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.clock.mark("first step" + (" (compilation)" if self.cfg.fsdp.compile else ""))
-        if self.cfg.fsdp.compile and (saved_s := save_traced_frames()) is not None:
-            log.info("Dynamo's traced frames written to the compile cache in %.2f s", saved_s)
         if self.env.is_main:  # metrics.jsonl only: W&B's history is the logged steps'
             log.info("step %d: %s", step, self.clock.line())
             self.metrics.write(self.clock.record(step))

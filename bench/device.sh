@@ -22,6 +22,9 @@ if [ ! -e /tmp/site/.installed ]; then
 fi
 # The device tool's NVLink multicast must stay off (its KINDS.md says why).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
+# Name the commit in the call (BENCH_COMMIT=$(git rev-parse --short HEAD), run here, typed into the command):
+# the device tool copies the working tree, but the git history there was seen to be the session's first
+# checkout (2026-12-04: results of 0e88641 named 8e52c8c), so the fallback can name an older commit.
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 results=/tmp/results
 mkdir -p "$results"

@@ -11,16 +11,11 @@ each piece with a test (tests/test_compat.py) that fails loudly when a torch rel
 - Which rows of a parameter a rank holds (model.init_from reads only those): DTensor has no public
   way to say where its local shard lies in the whole; `compute_local_shape_and_global_offset` is what
   DCP uses for it.
-- Compiled blocks (pretrain.parallel.parallelize): many modules run one `torch.compile` of
-  `Module._call_impl`, set where `Module.compile` sets each its own (`_compiled_call_impl`); and
-  Dynamo's caching precompile (torch >= 2.9, marked experimental) keeps its traced frames on disk.
 """
 
 from __future__ import annotations
 
-import logging
-from functools import partial
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,58 +86,3 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, range]:
     if any(offset[1:]) or tuple(shape[1:]) != tuple(tensor.shape[1:]):
         raise ValueError(f"a parameter split along more than its rows ({tensor.placements}): only FSDP's are read")
     return tensor.to_local(), range(offset[0], offset[0] + shape[0])
-
-
-def compile_together(modules: Iterable[nn.Module], **options: Any) -> None:
-    """What `module.compile(**options)` does for each module, with one compiled function for all.
-
-    Dynamo's cache is per code object, so modules of one class share their compiled graphs either way;
-    but under caching precompile each `torch.compile` loads its code object's traced frames from disk
-    when made. With one per block, the 1B model loaded them 16 times (3.5-5 s, attempt 33); with one
-    for all, once."""
-    compiled = torch.compile(nn.Module._call_impl, **options)
-    for module in modules:
-        module._compiled_call_impl = partial(compiled, module)
-
-
-class _DroppedGuards(logging.Filter):
-    """Dynamo warns of each guard that caching precompile drops: those on the identity of globals
-    (`torch`, `F.silu`), which no later process can match. They are expected there, not news."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "is dropped with caching_precompile" not in record.getMessage()
-
-
-def cache_traced_frames() -> bool:
-    """Keep Dynamo's traced frames and guards in the compile cache too, where this torch can (its
-    caching precompile, torch >= 2.9), so a later process loads them instead of tracing again; they
-    are written by `save_traced_frames`. Process-wide, and read when a function is compiled: call
-    before that. Returns whether this torch has it."""
-    import torch._dynamo.config as dynamo_config
-
-    if not hasattr(dynamo_config, "caching_precompile"):
-        return False
-    dynamo_config.caching_precompile = True
-    guards_log = logging.getLogger("torch._dynamo.guards")
-    if not any(isinstance(f, _DroppedGuards) for f in guards_log.filters):
-        guards_log.addFilter(_DroppedGuards())
-    return True
-
-
-def caching_traced_frames() -> bool:
-    """Whether this process keeps Dynamo's traced frames in the compile cache (`cache_traced_frames`)."""
-    import torch._dynamo.config as dynamo_config
-
-    return getattr(dynamo_config, "caching_precompile", False)
-
-
-def save_traced_frames() -> None:
-    """Write what Dynamo traced so far into the compile cache (under `cache_traced_frames`)."""
-    torch.compiler.save_cache_artifacts()
-
-
-def traced_frames_loaded() -> int:
-    """How many compiled functions of this process found their traced frames in the compile cache."""
-    from torch._dynamo.utils import counters
-
-    return counters["dynamo_cache"]["dynamo_cache_hit"]

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pretrain.config import ConfigError, FSDPConfig, mesh_shape, unwrapped
 from pretrain.parallel import float8
-from pretrain.parallel.compat import cache_traced_frames, compile_together, reduce_gloo_gradients_by_sum
+from pretrain.parallel.compat import reduce_gloo_gradients_by_sum
 from pretrain.parallel.master_weights import MasterWeights
 
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -77,16 +77,16 @@ def _save_matmuls_policy():
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (as `Module.compile` does: names and state-dict keys stay as they
-    are), as one graph (fullgraph=True: a block that would break into pieces fails at its first step
-    instead of running slowly). Blocks separately: FSDP2's hooks stay between blocks, and blocks share
-    one compiled graph, made once (compat.compile_together)."""
-    compile_together(model.layers, fullgraph=True)
+    """Compile each block in place (`Module.compile`: names and state-dict keys stay as they are), as
+    one graph (fullgraph=True: a block that would break into pieces fails at its first step instead
+    of running slowly). Blocks separately: FSDP2's hooks stay between blocks, and blocks share one
+    compiled graph."""
+    for block in model.layers:
+        block.compile(fullgraph=True)
 
 
 def persist_compile_cache(folder: Path) -> Path:
-    """Keep torch.compile's caches (Inductor's graphs and kernels, Triton's binaries and, where torch
-    can, Dynamo's traced frames: compat.cache_traced_frames) in `folder`.
+    """Keep torch.compile's caches (Inductor's graphs and kernels, Triton's binaries) in `folder`.
 
     Inductor's default is /tmp, which a requeued job on another node does not have, so every restart
     compiled everything again. TORCHINDUCTOR_CACHE_DIR is set, not defaulted: Inductor writes it into
@@ -94,7 +94,6 @@ def persist_compile_cache(folder: Path) -> Path:
     wish (fsdp.compile_cache does). Every rank may share the folder (Inductor writes atomically)."""
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    cache_traced_frames()
     return folder
 
 

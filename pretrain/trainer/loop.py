@@ -37,7 +37,7 @@ from pretrain.data.errors import DataError
 from pretrain.hf import weights as hf_weights
 from pretrain.models.llama import Transformer
 from pretrain.models.sampling import continue_text
-from pretrain.parallel import compat, float8
+from pretrain.parallel import float8
 from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
@@ -238,30 +238,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.clock.mark("first step" + (" (compilation)" if self.cfg.fsdp.compile else ""))
-        if self.cfg.fsdp.compile and self.env.is_main:
-            self.keep_traced_frames()
         if self.env.is_main:  # metrics.jsonl only: W&B's history is the logged steps'
             log.info("step %d: %s", step, self.clock.line())
             self.metrics.write(self.clock.record(step))
-
-    def keep_traced_frames(self) -> None:
-        """After the first step, write Dynamo's traced frames into the compile cache for the next job,
-        where this torch keeps them (compat.cache_traced_frames): a failure costs that job its tracing
-        time, never this one its run."""
-        if not compat.caching_traced_frames():
-            return
-        loaded = compat.traced_frames_loaded()
-        if loaded:
-            log.info("compile: the traced frames of %d compiled functions came from the compile cache", loaded)
-        started = time.perf_counter()
-        try:
-            compat.save_traced_frames()
-        except Exception as error:  # torch marks this experimental: a next start that traces is fine
-            log.warning("compile: Dynamo's traced frames were not written to the compile cache (%s: %s); the next "
-                        "start traces them again", type(error).__name__, error)
-            return
-        log.info("compile: Dynamo's traced frames written to the compile cache in %.2f s",
-                 time.perf_counter() - started)
 
     def log_start(self) -> None:
         train = self.cfg.train

@@ -4,7 +4,7 @@
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness
-#                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16
+#                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -41,8 +41,9 @@ for phase in "$@"; do
   echo "== $phase $(date +%T)"
   case $phase in
     gpu-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_components.py \
-                  tests/test_checkpoint_files.py > "$results/test_gpu.log" 2>&1
+                  tests/test_checkpoint_files.py tests/test_master_adamw.py > "$results/test_gpu.log" 2>&1
                 tail -3 "$results/test_gpu.log" ;;
+    optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \
                   --out "$results" --runs /tmp/bench-runs 2>&1 | tail -12 ;;

@@ -59,6 +59,10 @@ class MasterWeights:
             if compute.requires_grad:
                 compute.register_post_accumulate_grad_hook(_into(master))
 
+    def copies(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Each master parameter's compute copy (after `track_gradients`)."""
+        return dict(zip(self._masters, self._computes))
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the master weights into the compute copy (after an optimizer step or a load)."""

@@ -46,7 +46,7 @@ from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
 from pretrain.trainer.loss import build_loss
-from pretrain.trainer.optim import build_optimizer, lr_factor, set_lr, skips_on_device
+from pretrain.trainer.optim import build_optimizer, clip_gradients, lr_factor, refreshes_copy, set_lr, skips_on_device
 from pretrain.trainer.progress import Progress
 
 log = logging.getLogger("pretrain")
@@ -130,7 +130,7 @@ class Trainer:
         self.parallel = build_model(cfg, device, self.mesh)
         self.model, self.weights = self.parallel.model, self.parallel.weights
         self.clock.mark("model")
-        self.optimizer = build_optimizer(self.weights, cfg.optim, device)
+        self.optimizer = build_optimizer(self.weights, cfg.optim, device, self.parallel.master)
         self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
         self.skips = SkippedSteps(cfg.train.max_bad_steps, loss_scaled=self.scaler.enabled)
         self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.enabled
@@ -208,13 +208,14 @@ class Trainer:
         params = [p for p in self.weights.parameters() if p.requires_grad]
         self.faults.after_backward(params, self.state.step + 1, self.env.is_main)
         self.scaler.unscale_(params)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
+        norm = clip_gradients(self.optimizer, params, self.cfg.optim.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.checkpointer.wait_for_staging()
         stepped = self.skips.step(self.optimizer, norm, self.state.step + 1, on_device=self.skip_on_device)
         if stepped is not None:
             self.scaler.update(stepped)
-        self.parallel.weights_changed()
+        if not refreshes_copy(self.optimizer):
+            self.parallel.weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.samples += self.global_batch

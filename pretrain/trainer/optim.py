@@ -1,13 +1,17 @@
-"""AdamW and its learning-rate schedule: linear warmup, then cosine decay to min_lr_ratio * lr."""
+"""AdamW, gradient clipping, and the learning-rate schedule: linear warmup, then cosine decay to
+min_lr_ratio * lr."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
 from torch import nn
 
 from pretrain.config import OptimConfig, uses_fused_adamw
+from pretrain.parallel.master_adamw import MasterAdamW
+from pretrain.parallel.master_weights import MasterWeights
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -20,19 +24,34 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; norms and biases (1-D parameters) get no weight decay."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    master: MasterWeights | None = None) -> torch.optim.AdamW:
+    """AdamW; norms and biases (1-D parameters) get no weight decay. With master weights on a GPU, where
+    fused AdamW would run, MasterAdamW, which also refreshes their compute copy (`refreshes_copy`)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = uses_fused_adamw(cfg, device.type == "cuda")
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        fused=fused,
-        foreach=None if fused else True,
-    )
+    if master is not None and fused and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return MasterAdamW(groups, master.copies(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
+                             foreach=None if fused else True)
+
+
+def refreshes_copy(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step also writes the master weights' compute copy (no refresh after it)."""
+    return isinstance(optimizer, MasterAdamW)
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients to a total norm of at most `max_norm` (as torch.nn.utils.clip_grad_norm_ does);
+    returns their norm before, a device tensor. MasterAdamW takes the coefficient into its next step instead
+    of a pass over the gradients."""
+    if not isinstance(optimizer, MasterAdamW):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    optimizer.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return norm
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

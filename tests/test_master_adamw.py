@@ -1,0 +1,168 @@
+"""MasterAdamW (pretrain/parallel/master_adamw.py): torch's AdamW, the clip and the compute copy's refresh in one pass.
+
+Its Triton kernel runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, which Triton reads when it
+is imported: so in a process of its own), compiled on a GPU; either way against torch's own AdamW over the same
+steps: clipped ones, a skipped one, weight decay on one group and none on the other.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from pretrain.config import OptimConfig
+from pretrain.parallel.master_adamw import MasterAdamW
+from pretrain.parallel.master_weights import MasterWeights
+from pretrain.trainer.optim import build_optimizer, clip_gradients, refreshes_copy, step_unless
+
+pytest.importorskip("triton", reason="MasterAdamW's kernel is Triton's")
+
+LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def run_check(name: str, device: str) -> None:
+    """The check `name` of this module on `device`: on the CPU in a new process under Triton's interpreter."""
+    if device == "cuda":
+        globals()[name](torch.device("cuda"))
+        return
+    done = subprocess.run([sys.executable, "-c", f"import tests.test_master_adamw as t; t.{name}(t.torch.device('cpu'))"],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def masters_and_copies(device: torch.device) -> tuple[list[nn.Parameter], dict[nn.Parameter, nn.Parameter]]:
+    """fp32 master parameters (two matrices, one vector; sizes not multiples of the kernel's block) and bf16 copies."""
+    torch.manual_seed(0)
+    masters = [nn.Parameter(torch.randn(shape, device=device)) for shape in ((37, 61), (1500,), (3, 700))]
+    return masters, {m: nn.Parameter(m.detach().to(torch.bfloat16)) for m in masters}
+
+
+def assert_rounded(copy: torch.Tensor, master: torch.Tensor) -> None:
+    """`copy` is `master` rounded to bf16 to nearest, as torch rounds it, on a GPU; Triton's interpreter
+    truncates instead (its fp32 -> bf16 conversion ignores the rounding mode), so there within one bf16 step."""
+    if copy.device.type == "cuda":
+        assert torch.equal(copy, master.to(torch.bfloat16))
+    else:
+        torch.testing.assert_close(copy.float(), master, rtol=2**-7, atol=0)
+
+
+def groups(params: list[nn.Parameter]) -> list[dict]:
+    return [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_match_torch_adamw_and_the_copy_is_the_rounded_master(device):
+    run_check("check_steps_match_torch_adamw", device)
+
+
+def check_steps_match_torch_adamw(device: torch.device) -> None:
+    ours, copies = masters_and_copies(device)
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    mine = MasterAdamW(groups(ours), copies, lr=LR, betas=BETAS, eps=EPS)
+    reference = torch.optim.AdamW(groups(theirs), lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    plan = [(None, 0.0), (0.25, 0.0), (None, 1.0), (0.5, 0.0), (None, 0.0)]  # (clip coefficient, found_inf)
+    for step, (clip, found_inf) in enumerate(plan):
+        torch.manual_seed(100 + step)
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        if clip is not None:
+            mine.clip_coef = torch.tensor(clip, device=device)
+            torch._foreach_mul_([p.grad for p in theirs], clip)
+        step_unless(mine, torch.tensor(found_inf, device=device))
+        if not found_inf:
+            reference.step()
+    for a, b in zip(ours, theirs):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(mine.state[a][key], reference.state[b][key], rtol=2e-6, atol=1e-6)
+        assert mine.state[a]["step"].item() == reference.state[b]["step"].item() == 4  # the skipped step not counted
+        assert mine.state[a]["step"].dtype == torch.float32 and mine.state[a]["step"].device == device
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=2e-6, atol=1e-6)
+        assert_rounded(copies[a].detach(), a.detach())
+    assert mine.clip_coef is None  # a coefficient applies to one step
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_skipped_step_writes_nothing(device):
+    run_check("check_a_skipped_step_writes_nothing", device)
+
+
+def check_a_skipped_step_writes_nothing(device: torch.device) -> None:
+    masters, copies = masters_and_copies(device)
+    optimizer = MasterAdamW(groups(masters), copies, lr=LR, betas=BETAS, eps=EPS)
+    for p in masters:
+        p.grad = torch.randn_like(p)
+    step_unless(optimizer, torch.tensor(0.0, device=device))
+    before = [t.clone() for p in masters for t in (p.detach(), copies[p].detach(), *optimizer.state[p].values())]
+    for p in masters:
+        p.grad = torch.full_like(p, float("nan"))
+    step_unless(optimizer, torch.tensor(1.0, device=device))
+    after = [t for p in masters for t in (p.detach(), copies[p].detach(), *optimizer.state[p].values())]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_clip_gradients_gives_clip_grad_norms_norm_and_update():
+    """The coefficient handed to the step is the one clip_grad_norm_ multiplies the gradients by."""
+    run_check("check_clip_gradients", "cpu")
+
+
+def check_clip_gradients(device: torch.device) -> None:
+    ours, copies = masters_and_copies(device)
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn_like(a) * 3
+        b.grad = a.grad.clone()
+    mine = MasterAdamW(groups(ours), copies, lr=LR, betas=BETAS, eps=EPS)
+    reference = torch.optim.AdamW(groups(theirs), lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    norm = clip_gradients(mine, ours, max_norm=1.0)
+    expected = clip_gradients(reference, theirs, max_norm=1.0)
+    assert torch.equal(norm, expected) and expected > 1
+    assert all(torch.equal(a.grad * mine.clip_coef, b.grad) for a, b in zip(ours, theirs))  # scaled in the step only
+    mine.step()
+    reference.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(mine.state[a]["exp_avg"], reference.state[b]["exp_avg"], rtol=2e-6, atol=1e-6)
+
+
+def test_its_state_dict_is_adamws():
+    """Checkpoints do not depend on which of the two optimizers wrote them."""
+    run_check("check_state_dict", "cpu")
+
+
+def check_state_dict(device: torch.device) -> None:
+    masters, copies = masters_and_copies(device)
+    mine = MasterAdamW(groups(masters), copies, lr=LR, betas=BETAS, eps=EPS)
+    for p in masters:
+        p.grad = torch.randn_like(p)
+    mine.step()
+    others = [nn.Parameter(p.detach().clone()) for p in masters]
+    reference = torch.optim.AdamW(groups(others), lr=LR, betas=BETAS, eps=EPS, fused=True)
+    for p in others:
+        p.grad = torch.randn_like(p)
+    reference.step()
+    saved, expected = mine.state_dict(), reference.state_dict()
+    assert saved["param_groups"] == expected["param_groups"]
+    for index, state in saved["state"].items():
+        assert {k: (v.dtype, v.shape) for k, v in state.items()} == {
+            k: (v.dtype, v.shape) for k, v in expected["state"][index].items()}
+    reference.load_state_dict(saved)
+    mine.load_state_dict(expected)
+
+
+def test_one_process_with_master_weights_on_a_gpu_gets_master_adamw():
+    """The choice only (the parameters stay on the CPU: nothing runs)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    master = MasterWeights(model, torch.bfloat16)
+    master.track_gradients()
+    cuda = torch.device("cuda")
+    assert refreshes_copy(build_optimizer(model, OptimConfig(), cuda, master))
+    assert not refreshes_copy(build_optimizer(model, OptimConfig(fused=False), cuda, master))
+    assert not refreshes_copy(build_optimizer(model, OptimConfig(), torch.device("cpu"), master))
+    assert not refreshes_copy(build_optimizer(model, OptimConfig(), cuda))

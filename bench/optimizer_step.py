@@ -8,6 +8,8 @@ gradients and AdamW state, then two ways, alternated, each timed with CUDA event
 - torch: clip_grad_norm_ (the norm and a multiply of every gradient), fused AdamW, `_foreach_copy_` into the copy;
 - master_adamw: the norm, then MasterAdamW (pretrain/parallel/master_adamw.py): clip, update and copy in one pass.
 The bytes each way moves per parameter (42 and 30, plus 4 for the norm) give its achieved bandwidth.
+--sweep also times MasterAdamW's kernel at other block sizes and warps (pretrain/parallel/master_adamw.py's
+BLOCK and NUM_WARPS are the choice).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,8 +26,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+from pretrain import flops  # noqa: E402
 from pretrain.config import ModelConfig, OptimConfig  # noqa: E402
 from pretrain.models.llama import Transformer  # noqa: E402
+from pretrain.parallel import master_adamw  # noqa: E402
 from pretrain.parallel.master_weights import MasterWeights  # noqa: E402
 from pretrain.trainer.optim import build_optimizer, clip_gradients, refreshes_copy  # noqa: E402
 
@@ -32,14 +37,18 @@ from pretrain.trainer.optim import build_optimizer, clip_gradients, refreshes_co
 # and moments written), the refresh (fp32 read, bf16 written); MasterAdamW reads four fp32 and writes three
 # and a bf16. Both first read every gradient for the norm.
 BYTES = {"torch": 4 + 8 + 28 + 6, "master_adamw": 4 + 30}
+SWEEP = [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)]
+
+
+def shape_1b() -> ModelConfig:
+    return ModelConfig(**yaml.safe_load((common.REPO / "conf" / "model" / "llama-1b.yaml").read_text()))
 
 
 def setup(way: str) -> tuple[MasterWeights, torch.optim.Optimizer]:
     """The 1B shape's master weights and copy on the GPU, gradients, and the optimizer of `way` after one step."""
     torch.manual_seed(0)
-    shape = yaml.safe_load((common.REPO / "conf" / "model" / "llama-1b.yaml").read_text())
     with torch.device("cuda"):
-        model = Transformer(ModelConfig(**shape))
+        model = Transformer(shape_1b())
     master = MasterWeights(model, torch.bfloat16)
     master.track_gradients()
     optimizer = build_optimizer(model, OptimConfig(), torch.device("cuda"), master if way == "master_adamw" else None)
@@ -58,13 +67,37 @@ def run(master: MasterWeights, optimizer: torch.optim.Optimizer) -> None:
         master.refresh()
 
 
-def time_ms(master: MasterWeights, optimizer: torch.optim.Optimizer) -> float:
+def time_ms(master: MasterWeights, optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """Milliseconds on the GPU, and on the host to launch it all (more than the GPU's: launch-bound)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
     start.record()
+    host = time.perf_counter()
     run(master, optimizer)
+    host = time.perf_counter() - host
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end), host * 1e3
+
+
+def timings(way: str, repeats: int, configs: list[tuple[int, int]], host: dict[str, float]) -> dict[str, list[float]]:
+    """CUDA-event times of `way`'s steps, under each (BLOCK, NUM_WARPS) of `configs` for master_adamw; the
+    median host time of each into `host`."""
+    master, optimizer = setup(way)
+    times = {}
+    for block, warps in configs if way == "master_adamw" else [(None, None)]:
+        label = way if block is None else f"{way} {block}/{warps}"
+        if block is not None:
+            master_adamw.BLOCK, master_adamw.NUM_WARPS = block, warps
+        for _ in range(3):
+            time_ms(master, optimizer)
+        pairs = [time_ms(master, optimizer) for _ in range(repeats)]
+        times[label] = [gpu for gpu, _ in pairs]
+        host[label] = statistics.median(h for _, h in pairs)
+        print(label, f"{statistics.median(times[label]):.2f} ms, host {host[label]:.2f} ms", flush=True)
+    del master, optimizer
+    torch.cuda.empty_cache()
+    return times
 
 
 def main() -> int:
@@ -72,27 +105,27 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("--name", default="optimizer_step")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {way: [] for way in BYTES}
-    counts = {}
+    chosen = (master_adamw.BLOCK, master_adamw.NUM_WARPS)
+    configs = [chosen] + [c for c in SWEEP if c != chosen] if args.sweep else [chosen]
+    times: dict[str, list[float]] = {}
+    host: dict[str, float] = {}
     for way in BYTES:  # one at a time: both would not fit beside each other on an 80 GB card
-        master, optimizer = setup(way)
-        counts[way] = sum(p.numel() for p in master.master.parameters())
-        for _ in range(3):
-            time_ms(master, optimizer)
-        times[way] = [time_ms(master, optimizer) for _ in range(args.repeats)]
-        del master, optimizer
-        torch.cuda.empty_cache()
-    params = counts["torch"]
-    result = {**common.stamp(), "parameters": params, "repeats": args.repeats, "ms": times,
-              "median_ms": {way: statistics.median(t) for way, t in times.items()}}
-    rows = ["| way | bytes / parameter | median ms | min-max ms | GB/s |", "|---|---|---|---|---|"]
-    for way, t in times.items():
-        median = statistics.median(t)
-        rows.append(f"| {way} | {BYTES[way]} | {median:.2f} | {min(t):.2f}-{max(t):.2f} | "
-                    f"{BYTES[way] * params / median / 1e6:,.0f} |")
-    rows.append(f"\n{params:,} parameters; torch / master_adamw: "
-                f"{result['median_ms']['torch'] / result['median_ms']['master_adamw']:.2f}x")
+        times.update(timings(way, args.repeats, configs, host))
+    params = flops.parameter_count(shape_1b())
+    medians = {label: statistics.median(t) for label, t in times.items()}
+    result = {**common.stamp(), "parameters": params, "repeats": args.repeats, "chosen": list(chosen), "ms": times,
+              "median_ms": medians, "host_median_ms": host}
+    rows = ["| way (block/warps) | bytes / parameter | median ms | min-max ms | GB/s | host ms to launch |",
+            "|---|---|---|---|---|---|"]
+    for label, t in times.items():
+        nbytes = BYTES[label.split()[0]]
+        rows.append(f"| {label} | {nbytes} | {medians[label]:.2f} | {min(t):.2f}-{max(t):.2f} | "
+                    f"{nbytes * params / medians[label] / 1e6:,.0f} | {host[label]:.2f} |")
+    chosen_label = f"master_adamw {chosen[0]}/{chosen[1]}"
+    rows.append(f"\n{params:,} parameters; torch / master_adamw at the package's {chosen[0]}/{chosen[1]}: "
+                f"{medians['torch'] / medians[chosen_label]:.2f}x")
     common.write_result(args.out, args.name, result, "\n".join(rows))
     print("\n".join(rows))
     return 0

@@ -83,7 +83,7 @@ def check_steps_match_torch_adamw(device: torch.device) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(mine.state[a][key], reference.state[b][key], rtol=2e-6, atol=1e-6)
         assert mine.state[a]["step"].item() == reference.state[b]["step"].item() == 4  # the skipped step not counted
-        assert mine.state[a]["step"].dtype == torch.float32 and mine.state[a]["step"].device == device
+        assert mine.state[a]["step"].dtype == torch.float32 and mine.state[a]["step"].device.type == device.type
         torch.testing.assert_close(a.detach(), b.detach(), rtol=2e-6, atol=1e-6)
         assert_rounded(copies[a].detach(), a.detach())
     assert mine.clip_coef is None  # a coefficient applies to one step

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-# Elements per Triton program: 8 per thread of 4 warps, two 16-byte loads of fp32.
+# Elements per Triton program, and its warps (bench/optimizer_step.py --sweep measures the choices).
 BLOCK = 1024
+NUM_WARPS = 4
 
 
 class MasterAdamW(torch.optim.AdamW):
@@ -84,7 +85,7 @@ def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
            step: torch.Tensor, copy: torch.Tensor, group: Mapping[str, Any], clip_coef: torch.Tensor,
            found_inf: torch.Tensor) -> None:
     """One parameter's AdamW update (its step count already advanced), its gradient first scaled by
-    `clip_coef`, the result also written into `copy`; nothing is written where `found_inf` is 1."""
+    `clip_coef`, the result also written into `copy`; all stays as it was where `found_inf` is 1."""
     import triton
 
     lr, (beta1, beta2), weight_decay, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
@@ -94,7 +95,7 @@ def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     _kernel()[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, copy, step, clip_coef, found_inf, n,
         lr, lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, math.log2(beta1), math.log2(beta2), eps,
-        BLOCK=BLOCK)
+        BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 @functools.cache

@@ -8,7 +8,9 @@ MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) at one rank:
 - forward and backward run on a copy of the fp32 weights in the compute dtype (FSDP2's all-gather cast);
 - each gradient is added in fp32 to its master weight's as soon as autograd has it, and dropped
   (FSDP2's reduce-scatter at one rank is that cast, and it accumulates micro-batches in fp32 too);
-- after each optimizer step the copy is refreshed from the master weights.
+- after each optimizer step the copy is refreshed from the master weights. On a GPU the optimizer's own
+  kernel does that in the pass that updates them (pretrain.parallel.master_adamw); its update is fused
+  AdamW's up to float32 rounding, not bit for bit.
 The optimizer, checkpoints, gradient clipping and finite checks see only the master weights, under the
 model's own parameter names, so a checkpoint is the same whether FSDP2 wrote it or not.
 """

@@ -149,7 +149,8 @@ class Parallelized:
     master: MasterWeights | None = None
 
     def weights_changed(self) -> None:
-        """Call after the optimizer stepped or the weights were loaded: the compute copy follows."""
+        """Call after the weights were loaded, or an optimizer that leaves the compute copy alone stepped
+        (pretrain.trainer.optim.refreshes_copy): the compute copy follows."""
         if self.master is not None:
             self.master.refresh()
 

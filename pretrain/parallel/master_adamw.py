@@ -40,11 +40,13 @@ class MasterAdamW(torch.optim.AdamW):
                  betas: tuple[float, float], eps: float) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, fused=True)
         for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("MasterAdamW supports neither amsgrad nor maximize")
             for p in group["params"]:
                 copy = copies.get(p)
                 if copy is None or copy.shape != p.shape or not (p.is_contiguous() and copy.is_contiguous()):
-                    raise ValueError("MasterAdamW needs a contiguous compute copy of the same shape for every "
-                                     "contiguous master parameter")
+                    raise ValueError("MasterAdamW needs, for every master parameter, a compute copy of the same "
+                                     "shape, both contiguous")
         self.copies = copies
         self.clip_coef: torch.Tensor | None = None
 
@@ -89,8 +91,8 @@ def update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     import triton
 
     lr, (beta1, beta2), weight_decay, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
-    if group["amsgrad"] or group["maximize"]:
-        raise ValueError("MasterAdamW supports neither amsgrad nor maximize")
+    if not grad.is_contiguous():  # autograd lays a gradient out as its parameter: only a hand-made one is not
+        raise ValueError("MasterAdamW needs contiguous gradients")
     n = param.numel()
     _kernel()[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, copy, step, clip_coef, found_inf, n,

@@ -6,8 +6,11 @@ The model's parameters as fp32 master weights on the GPU (1.53B for the 1B shape
 gradients and AdamW state, then two ways, alternated, each timed with CUDA events around the whole of it
 (median of --repeats):
 - torch: clip_grad_norm_ (the norm and a multiply of every gradient), fused AdamW, `_foreach_copy_` into the copy;
-- master_adamw: the norm, then MasterAdamW (pretrain/parallel/master_adamw.py): clip, update and copy in one pass.
-The bytes each way moves per parameter (42 and 30, plus 4 for the norm) give its achieved bandwidth.
+- master_adamw: the norm, then MasterAdamW (pretrain/parallel/master_adamw.py): clip, update and copy in one pass,
+  reading fp32 gradients from the master weights (several micro-batches a step, accumulated there);
+- master_adamw_bf16_grads: the same reading the copy's bf16 gradients (one micro-batch a step). Backward's cast
+  of each gradient to fp32 (6 bytes a parameter), which the other two ways need, is not in these times.
+The bytes each way moves per parameter (42, 30 and 28, plus 4 or 2 for the norm) give its achieved bandwidth.
 --sweep also times MasterAdamW's kernel at other block sizes and warps (pretrain/parallel/master_adamw.py's
 BLOCK and NUM_WARPS are the choice).
 """
@@ -36,7 +39,7 @@ from pretrain.trainer.optim import build_optimizer, clip_gradients, refreshes_co
 # Bytes per parameter: clip's multiply (read + write fp32), fused AdamW (weight, gradient, moments read; weight
 # and moments written), the refresh (fp32 read, bf16 written); MasterAdamW reads four fp32 and writes three
 # and a bf16. Both first read every gradient for the norm.
-BYTES = {"torch": 4 + 8 + 28 + 6, "master_adamw": 4 + 30}
+BYTES = {"torch": 4 + 8 + 28 + 6, "master_adamw": 4 + 30, "master_adamw_bf16_grads": 2 + 28}
 SWEEP = [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)]
 
 
@@ -51,16 +54,22 @@ def setup(way: str) -> tuple[MasterWeights, torch.optim.Optimizer]:
         model = Transformer(shape_1b())
     master = MasterWeights(model, torch.bfloat16)
     master.track_gradients()
-    optimizer = build_optimizer(model, OptimConfig(), torch.device("cuda"), master if way == "master_adamw" else None)
-    assert refreshes_copy(optimizer) == (way == "master_adamw")
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
+    in_copy = way == "master_adamw_bf16_grads"
+    optimizer = build_optimizer(model, OptimConfig(), torch.device("cuda"), None if way == "torch" else master,
+                                micro_batches=1 if in_copy else 2)
+    assert refreshes_copy(optimizer) == (way != "torch")
+    for p, copy in master.copies().items():
+        grad = torch.randn_like(p) * 1e-3
+        if in_copy:
+            copy.grad = grad.to(copy.dtype)
+        else:
+            p.grad = grad
     run(master, optimizer)
     return master, optimizer
 
 
 def run(master: MasterWeights, optimizer: torch.optim.Optimizer) -> None:
-    params = [p for p in master.master.parameters() if p.grad is not None]
+    params = list(master.master.parameters())
     clip_gradients(optimizer, params, max_norm=1.0)  # the random gradients' norm is about 39: every step clips
     optimizer.step()
     if not refreshes_copy(optimizer):
@@ -85,7 +94,7 @@ def timings(way: str, repeats: int, configs: list[tuple[int, int]], host: dict[s
     median host time of each into `host`."""
     master, optimizer = setup(way)
     times = {}
-    for block, warps in configs if way == "master_adamw" else [(None, None)]:
+    for block, warps in configs if way.startswith("master_adamw") else [(None, None)]:
         label = way if block is None else f"{way} {block}/{warps}"
         if block is not None:
             master_adamw.BLOCK, master_adamw.NUM_WARPS = block, warps
@@ -123,9 +132,10 @@ def main() -> int:
         nbytes = BYTES[label.split()[0]]
         rows.append(f"| {label} | {nbytes} | {medians[label]:.2f} | {min(t):.2f}-{max(t):.2f} | "
                     f"{nbytes * params / medians[label] / 1e6:,.0f} | {host[label]:.2f} |")
-    chosen_label = f"master_adamw {chosen[0]}/{chosen[1]}"
-    rows.append(f"\n{params:,} parameters; torch / master_adamw at the package's {chosen[0]}/{chosen[1]}: "
-                f"{medians['torch'] / medians[chosen_label]:.2f}x")
+    at = f"{chosen[0]}/{chosen[1]}"
+    rows.append(f"\n{params:,} parameters; at the package's {at}, torch / master_adamw: "
+                f"{medians['torch'] / medians['master_adamw ' + at]:.2f}x, master_adamw / master_adamw_bf16_grads: "
+                f"{medians['master_adamw ' + at] / medians['master_adamw_bf16_grads ' + at]:.2f}x")
     common.write_result(args.out, args.name, result, "\n".join(rows))
     print("\n".join(rows))
     return 0

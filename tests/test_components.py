@@ -97,7 +97,7 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_good_steps():
     scaler = LossScaler(PrecisionConfig(init_scale=1024.0, growth_interval=3), enabled=True)
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.full((3,), 2048.0)
-    scaler.unscale_([param])
+    scaler.unscale_([param.grad])
     assert torch.equal(param.grad, torch.full((3,), 2.0))
     scaler.update(finite=False)
     assert scaler.scale == 512.0

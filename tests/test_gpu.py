@@ -120,14 +120,17 @@ def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_
     assert readers[0].counts.direct_bytes == sum(t.nbytes for t in tensors)
 
 
-def test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does(tmp_path):
-    """The unwrapped one-process path (master weights, a bf16 copy, gradient hooks) under torch.compile
-    on a GPU: the same first loss as FSDP2 at one rank, and the same curve within GPU nondeterminism
-    (atomics in the embedding's and attention's backward)."""
+@pytest.mark.parametrize("micro_batch", [4, 8])
+def test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does(tmp_path, micro_batch):
+    """The unwrapped one-process path (master weights, a bf16 copy; two micro-batches accumulated by gradient
+    hooks in fp32, or one whose bf16 gradients MasterAdamW reads from the copy) under torch.compile on a GPU:
+    the same first loss as FSDP2 at one rank, and the same curve within GPU nondeterminism (atomics in the
+    embedding's and attention's backward)."""
     from tests.helpers import MINI_MODEL, launch_plain_and_wrapped, losses
 
     launch_plain_and_wrapped(tmp_path, *MINI_MODEL, "precision=bf16", "fsdp.compile=true", "train.steps=6",
-                             "train.log_every=1", "train.micro_batch=4", "train.global_batch=8", "train.eval_every=0")
+                             "train.log_every=1", f"train.micro_batch={micro_batch}", "train.global_batch=8",
+                             "train.eval_every=0")
     plain, wrapped = losses(tmp_path / "plain"), losses(tmp_path / "wrapped")
     assert plain[1] == wrapped[1]
     assert [plain[s] for s in range(2, 7)] == pytest.approx([wrapped[s] for s in range(2, 7)], abs=2e-3)

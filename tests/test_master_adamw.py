@@ -2,7 +2,8 @@
 
 Its Triton kernel runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, which Triton reads when it
 is imported: so in a process of its own), compiled on a GPU; either way against torch's own AdamW over the same
-steps: clipped ones, a skipped one, weight decay on one group and none on the other.
+steps: clipped ones, a skipped one, weight decay on one group and none on the other. Reading bf16 gradients
+from the compute copy (one micro-batch a step) gives what reading their fp32 casts from the masters gives.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from pretrain.config import OptimConfig
 from pretrain.parallel.master_adamw import MasterAdamW
 from pretrain.parallel.master_weights import MasterWeights
-from pretrain.trainer.optim import build_optimizer, clip_gradients, refreshes_copy, step_unless
+from pretrain.trainer.optim import build_optimizer, clip_gradients, gradients, refreshes_copy, step_unless
 
 pytest.importorskip("triton", reason="MasterAdamW's kernel is Triton's")
 
@@ -162,7 +163,59 @@ def test_one_process_with_master_weights_on_a_gpu_gets_master_adamw():
     master = MasterWeights(model, torch.bfloat16)
     master.track_gradients()
     cuda = torch.device("cuda")
-    assert refreshes_copy(build_optimizer(model, OptimConfig(), cuda, master))
+    assert refreshes_copy(build_optimizer(model, OptimConfig(), cuda, master, micro_batches=2))
     assert not refreshes_copy(build_optimizer(model, OptimConfig(fused=False), cuda, master))
     assert not refreshes_copy(build_optimizer(model, OptimConfig(), torch.device("cpu"), master))
     assert not refreshes_copy(build_optimizer(model, OptimConfig(), cuda))
+
+
+@pytest.mark.parametrize("dtype, micro_batches, in_copy", [
+    (torch.bfloat16, 1, True), (torch.bfloat16, 2, False), (torch.float16, 1, False)])
+def test_gradients_stay_in_a_bf16_copy_with_one_micro_batch(dtype, micro_batches, in_copy):
+    """Where MasterAdamW reads the copy's gradients, backward leaves them there and makes no fp32 ones; with
+    several micro-batches they accumulate in fp32, and fp16's stay in fp32 for the loss scale to be divided out."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    master = MasterWeights(model, dtype)
+    master.track_gradients()
+    optimizer = build_optimizer(model, OptimConfig(), torch.device("cuda"), master, micro_batches=micro_batches)
+    assert optimizer.gradients_in_copy == in_copy
+    master.compute(torch.ones(2, 8, dtype=dtype)).sum().backward()
+    params = list(model.parameters())
+    assert all((p.grad is None) == in_copy and (master.copies()[p].grad is None) != in_copy for p in params)
+    assert [g.dtype for g in gradients(optimizer, params)] == [dtype if in_copy else torch.float32] * len(params)
+    optimizer.zero_grad()
+    assert gradients(optimizer, params) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_gradients_read_from_the_copy_update_as_their_fp32_casts_do(device):
+    run_check("check_gradients_in_copy", device)
+
+
+def check_gradients_in_copy(device: torch.device) -> None:
+    """The same steps, clipped by clip_gradients, once reading bf16 gradients from the copies and once their
+    fp32 casts from the masters: the same norms, moments, weights and copies."""
+    from_copy, copies = masters_and_copies(device)
+    from_master = [nn.Parameter(p.detach().clone()) for p in from_copy]
+    other_copies = {m: nn.Parameter(copies[c].detach().clone()) for m, c in zip(from_master, from_copy)}
+    reading_copy = MasterAdamW(groups(from_copy), copies, lr=LR, betas=BETAS, eps=EPS, gradients_in_copy=True)
+    reading_master = MasterAdamW(groups(from_master), other_copies, lr=LR, betas=BETAS, eps=EPS)
+    for step in range(3):
+        torch.manual_seed(200 + step)
+        for a, b in zip(from_copy, from_master):
+            copies[a].grad = (torch.randn_like(a) * 2).to(torch.bfloat16)
+            b.grad = copies[a].grad.float()
+        norms = [clip_gradients(opt, params, max_norm=1.0)
+                 for opt, params in ((reading_copy, from_copy), (reading_master, from_master))]
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-6, atol=0)
+        assert norms[0].dtype == torch.float32 and norms[0] > 1
+        reading_copy.step()
+        reading_master.step()
+        reading_copy.zero_grad()
+        reading_master.zero_grad()
+        assert all(copies[a].grad is None for a in from_copy)
+    for a, b in zip(from_copy, from_master):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(reading_copy.state[a][key], reading_master.state[b][key], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+        assert_rounded(copies[a].detach(), a.detach())

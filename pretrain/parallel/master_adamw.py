@@ -34,10 +34,11 @@ class MasterAdamW(torch.optim.AdamW):
 
     Before a step, set `clip_coef` (a device scalar) to have the gradients scaled by it inside the update,
     as torch.nn.utils.clip_grad_norm_ would have scaled them; it applies to that step only. `found_inf`
-    skips the step on the device, as for fused AdamW."""
+    skips the step on the device, as for fused AdamW. With `gradients_in_copy`, each parameter's gradient
+    is its copy's (any dtype; read as float32), and `zero_grad` clears those."""
 
     def __init__(self, params: Iterable[Any], copies: Mapping[nn.Parameter, nn.Parameter], lr: float,
-                 betas: tuple[float, float], eps: float) -> None:
+                 betas: tuple[float, float], eps: float, gradients_in_copy: bool = False) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, fused=True)
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
@@ -48,7 +49,22 @@ class MasterAdamW(torch.optim.AdamW):
                     raise ValueError("MasterAdamW needs, for every master parameter, a compute copy of the same "
                                      "shape, both contiguous")
         self.copies = copies
+        self.gradients_in_copy = gradients_in_copy
         self.clip_coef: torch.Tensor | None = None
+
+    def gradient(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The gradient the next step reads for master parameter `p`."""
+        return self.copies[p].grad if self.gradients_in_copy else p.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.gradients_in_copy:
+            copies = [self.copies[p] for group in self.param_groups for p in group["params"]]
+            for copy in copies:
+                if set_to_none:
+                    copy.grad = None
+                elif copy.grad is not None:
+                    copy.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -57,7 +73,7 @@ class MasterAdamW(torch.optim.AdamW):
         clip, self.clip_coef = self.clip_coef, None
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if self.gradient(p) is not None]
             if not params:
                 continue
             states = [self._state_of(p) for p in params]
@@ -68,7 +84,7 @@ class MasterAdamW(torch.optim.AdamW):
             clip_t = clip if clip is not None else _constant(1.0, device)
             found_t = found_inf if found_inf is not None else _constant(0.0, device)
             for p, state in zip(params, states):
-                update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], self.copies[p], group,
+                update(p, self.gradient(p), state["exp_avg"], state["exp_avg_sq"], state["step"], self.copies[p], group,
                        clip_t, found_t)
             if found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))

@@ -11,8 +11,9 @@ MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) at one rank:
 - after each optimizer step the copy is refreshed from the master weights. On a GPU the optimizer's own
   kernel does that in the pass that updates them (pretrain.parallel.master_adamw); its update is fused
   AdamW's up to float32 rounding, not bit for bit.
-The optimizer, checkpoints, gradient clipping and finite checks see only the master weights, under the
-model's own parameter names, so a checkpoint is the same whether FSDP2 wrote it or not.
+The optimizer, checkpoints, gradient clipping and finite checks see only the master weights (and, where kept
+there, the copy's gradients), under the model's own parameter names, so a checkpoint is the same whether
+FSDP2 wrote it or not.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 # What wrapping adds to parameter names: activation checkpointing, and compile outside Module.compile.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -45,7 +47,9 @@ class MasterWeights:
 
     def __init__(self, master: nn.Module, dtype: torch.dtype) -> None:
         self.master = master
+        self.dtype = dtype
         self.compute = compute_copy(master, dtype)
+        self._hooks: list[RemovableHandle] = []
         self._computes: list[nn.Parameter] = []  # paired by position with _masters
         self._masters: list[nn.Parameter] = []
 
@@ -57,9 +61,15 @@ class MasterWeights:
             raise RuntimeError(f"the compute copy's parameters {sorted(computes.keys() ^ masters.keys())} have no "
                                "master weight (or the reverse): a conversion renamed them")
         self._computes, self._masters = [computes[name] for name in masters], list(masters.values())
-        for compute, master in zip(self._computes, self._masters):
-            if compute.requires_grad:
-                compute.register_post_accumulate_grad_hook(_into(master))
+        self._hooks = [compute.register_post_accumulate_grad_hook(_into(master))
+                       for compute, master in zip(self._computes, self._masters) if compute.requires_grad]
+
+    def keep_gradients_in_copy(self) -> None:
+        """Leave each gradient where autograd put it, on the compute copy, for an optimizer that reads it
+        there: with one micro-batch a step, the fp32 gradient would be that one cast (bf16 -> fp32 is exact)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def copies(self) -> dict[nn.Parameter, nn.Parameter]:
         """Each master parameter's compute copy (after `track_gradients`)."""

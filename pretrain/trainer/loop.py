@@ -46,7 +46,8 @@ from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
 from pretrain.trainer.loss import build_loss
-from pretrain.trainer.optim import build_optimizer, clip_gradients, lr_factor, refreshes_copy, set_lr, skips_on_device
+from pretrain.trainer.optim import (build_optimizer, clip_gradients, gradients, lr_factor, refreshes_copy, set_lr,
+                                   skips_on_device)
 from pretrain.trainer.progress import Progress
 
 log = logging.getLogger("pretrain")
@@ -130,7 +131,7 @@ class Trainer:
         self.parallel = build_model(cfg, device, self.mesh)
         self.model, self.weights = self.parallel.model, self.parallel.weights
         self.clock.mark("model")
-        self.optimizer = build_optimizer(self.weights, cfg.optim, device, self.parallel.master)
+        self.optimizer = build_optimizer(self.weights, cfg.optim, device, self.parallel.master, self.accum)
         self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
         self.skips = SkippedSteps(cfg.train.max_bad_steps, loss_scaled=self.scaler.enabled)
         self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.enabled
@@ -206,8 +207,9 @@ class Trainer:
             self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
         params = [p for p in self.weights.parameters() if p.requires_grad]
-        self.faults.after_backward(params, self.state.step + 1, self.env.is_main)
-        self.scaler.unscale_(params)
+        grads = gradients(self.optimizer, params)
+        self.faults.after_backward(grads, self.state.step + 1, self.env.is_main)
+        self.scaler.unscale_(grads)
         norm = clip_gradients(self.optimizer, params, self.cfg.optim.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.checkpointer.wait_for_staging()

@@ -25,15 +25,21 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
-                    master: MasterWeights | None = None) -> torch.optim.AdamW:
+                    master: MasterWeights | None = None, micro_batches: int = 1) -> torch.optim.AdamW:
     """AdamW; norms and biases (1-D parameters) get no weight decay. With master weights on a GPU, where
-    fused AdamW would run, MasterAdamW, which also refreshes their compute copy (`refreshes_copy`)."""
+    fused AdamW would run, MasterAdamW, which also refreshes their compute copy (`refreshes_copy`); with one
+    micro-batch a step (`micro_batches`: the backward passes each step's gradients sum) and a bf16 copy, it
+    reads the copy's gradients as they are (no loss scale to divide out, nothing to accumulate in fp32)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = uses_fused_adamw(cfg, device.type == "cuda")
     if master is not None and fused and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-        return MasterAdamW(groups, master.copies(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        in_copy = micro_batches == 1 and master.dtype == torch.bfloat16
+        if in_copy:
+            master.keep_gradients_in_copy()
+        return MasterAdamW(groups, master.copies(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                           gradients_in_copy=in_copy)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
                              foreach=None if fused else True)
 
@@ -43,13 +49,21 @@ def refreshes_copy(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, MasterAdamW)
 
 
+def gradients(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of `params` that the optimizer's next step reads (MasterAdamW's may be on the compute copy)."""
+    found = map(optimizer.gradient, params) if isinstance(optimizer, MasterAdamW) else (p.grad for p in params)
+    return [grad for grad in found if grad is not None]
+
+
 def clip_gradients(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale the gradients to a total norm of at most `max_norm` (as torch.nn.utils.clip_grad_norm_ does);
     returns their norm before, a device tensor. MasterAdamW takes the coefficient into its next step instead
     of a pass over the gradients."""
     if not isinstance(optimizer, MasterAdamW):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    # get_total_norm's, summed in float32 also where the gradients are bf16 (it would round each norm to them).
+    norms = torch._foreach_norm(gradients(optimizer, params), 2, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     optimizer.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return norm
 

@@ -48,10 +48,9 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
-    def unscale_(self, params: list[torch.nn.Parameter]) -> None:
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
         if not self.enabled:
             return
-        grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
 

@@ -219,9 +219,9 @@ class Faults:
 
         return poisoned
 
-    def after_backward(self, params: list[torch.nn.Parameter], step: int, is_main: bool) -> None:
+    def after_backward(self, grads: list[torch.Tensor], step: int, is_main: bool) -> None:
         """nan_grad: one gradient element of rank 0 becomes NaN at the steps named."""
-        if "nan_grad" in self.names and is_main and fault_active("nan_grad", step):
-            grad = next(p.grad for p in params if p.grad is not None)
+        if "nan_grad" in self.names and is_main and fault_active("nan_grad", step) and grads:
+            grad = grads[0]
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             local.view(-1)[0] = float("nan")

@@ -2,13 +2,16 @@
 
     python bench/correctness.py [--steps 100] [--out bench/results]
     python bench/correctness.py --runs-of bf16 fp8 fp8-rowwise --name correctness-fp8
+    python bench/correctness.py --runs-of bf16 --micro-batch 32 --name correctness-mb32
 
 Runs of `python -m pretrain.launch` on the built-in corpus (data.path=null), the same model,
 seed, data order and settings, differing only in precision: fp32 (eager; the reference), bf16
 compiled (as the benchmarks run) and eager (to tell compilation from rounding), and fp16
 compiled with a deliberately high initial loss scale, so that the first steps overflow and
 are skipped. A second fp32 run with another seed gives the run-to-run spread as a yardstick.
-FP8 runs (`--runs-of fp8 ...`) compare the float8 recipes the same way.
+FP8 runs (`--runs-of fp8 ...`) compare the float8 recipes the same way. A step is 32 sequences, by default two
+micro-batches of 16 (accumulated in fp32); `--micro-batch 32` makes it one (one process in bf16 then keeps its
+gradients in bf16: pretrain/trainer/optim.py).
 Every step is logged. bf16 (and FP8) passes if its loss is within TOLERANCE of fp32's at every step;
 fp16 if it never diverges (finite losses, final loss within FP16_FINAL_TOLERANCE of fp32's);
 its skipped steps and final loss scale are reported.
@@ -40,8 +43,8 @@ RUNS = {"fp32": ["precision=fp32", "fsdp.compile=false"],
 DEFAULT_RUNS = ("fp32", "fp32-seed2", "bf16", "bf16-eager", "fp16")
 
 
-def base_overrides(model: str, steps: int) -> list[str]:
-    return [f"model={model}", "data=builtin", "train.seq_len=1024", "train.global_batch=32", "train.micro_batch=16",
+def base_overrides(model: str, steps: int, micro_batch: int) -> list[str]:
+    return [f"model={model}", "data=builtin", "train.seq_len=1024", "train.global_batch=32", f"train.micro_batch={micro_batch}",
             f"train.steps={steps}", "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0", "local.nproc=1"]
 
 
@@ -91,6 +94,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("--runs", type=Path, default=Path("/tmp/bench-runs"))
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--micro-batch", type=int, default=16, choices=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--runs-of", nargs="+", choices=list(RUNS), default=list(DEFAULT_RUNS),
                         help="which runs to compare with fp32")
     parser.add_argument("--name", default="correctness", help="result files NAME.json and NAME.md")
@@ -100,7 +104,7 @@ def main() -> int:
     curves, commands, records = {}, {}, {}
     for name in names:
         precision = RUNS[name]
-        overrides = base_overrides(args.model, args.steps) + precision
+        overrides = base_overrides(args.model, args.steps, args.micro_batch) + precision
         ran = common.launch(overrides, args.runs / f"correctness-{name}", args.timeout,
                             args.out / f"correctness-{name}.log")
         records[name] = common.metrics(args.runs / f"correctness-{name}")

@@ -3,8 +3,8 @@
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
-#                        |attention|side-bf16|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness
-#                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step
+#                        |attention|side-bf16|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
+#                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -43,6 +43,11 @@ for phase in "$@"; do
     gpu-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_components.py \
                   tests/test_checkpoint_files.py tests/test_master_adamw.py > "$results/test_gpu.log" 2>&1
                 tail -3 "$results/test_gpu.log" ;;
+    master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank
+                python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py tests/test_master_weights.py \
+                  -k "not slurm" "tests/test_gpu.py::test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does" \
+                  > "$results/test_master-$BENCH_COMMIT.log" 2>&1
+                tail -3 "$results/test_master-$BENCH_COMMIT.log" ;;
     optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \
@@ -89,6 +94,8 @@ for phase in "$@"; do
     compile-site)  # give the image's packages the bytecode it lacks, as an image built with it has
                 python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
                   > /dev/null 2>&1; echo "compileall exit $?" ;;
+    correctness-mb32) python3 bench/correctness.py --runs-of bf16 --micro-batch 32 --name "correctness-mb32-$BENCH_COMMIT" \
+                  --out "$results" 2>&1 | tail -8 ;;
     correctness) python3 bench/correctness.py --runs-of bf16 fp32-seed2 --name "correctness-$BENCH_COMMIT" --out "$results" \
                   2>&1 | tail -8 ;;
     startup-profile)  # where a cold and a requeued start-up go (sampled, so slower than restart's figures)

@@ -3,7 +3,7 @@
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
-#                        |attention|side-bf16|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
+#                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
@@ -85,6 +85,8 @@ for phase in "$@"; do
     head-bf16*) python3 bench/throughput.py 1b-1gpu --name "ours-1b-1gpu-bf16-$BENCH_COMMIT${phase#head-bf16}" \
                   --out "$results" 2>&1 | tail -4 ;;
     attention)  python3 bench/attention_check.py --name "attention-gqa-$BENCH_COMMIT" --out "$results" 2>&1 | tail -30 ;;
+    side-fp8)   python3 bench/side_by_side.py --titan .titan 1b-1gpu-fp8 --suffix="-$BENCH_COMMIT" --out "$results" \
+                  2>&1 | tail -4 ;;
     side-bf16)  python3 bench/side_by_side.py --titan .titan 1b-1gpu-bf16 --suffix="-$BENCH_COMMIT" --out "$results" \
                   2>&1 | tail -4 ;;
     ab-bf16)    ab_tree && python3 bench/throughput.py 1b-1gpu --repo /tmp/ab --name "ours-1b-1gpu-bf16-ab-$BENCH_COMMIT" \

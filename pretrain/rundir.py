@@ -13,6 +13,8 @@
       jobs.json, slurm/      the Slurm jobs of the run and their logs
       cache/compile/         torch.compile's caches (Inductor, Triton): a requeued job reuses them
       .requeue               a rank stopped on a time-limit signal: the batch script requeues
+      .stopped               the ranks stopped on SIGTERM or SIGINT: the batch script requeues
+                             unless it was signalled too (scancel, preemption)
       .exclude_nodes         nodes that failed the preflight: requeued without them
       .failed                an error a requeue would repeat: the batch script does not requeue
 
@@ -41,6 +43,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 JOBS_FILE = "jobs.json"
 REQUEUE_REQUEST = ".requeue"
+STOPPED_NOTICE = ".stopped"
 EXCLUDE_NODES = ".exclude_nodes"
 FAILED_MARKER = ".failed"
 # Set by the local launcher for its ranks to the run directory whose lock it holds for them.

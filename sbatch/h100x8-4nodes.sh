@@ -149,8 +149,8 @@ PRETRAIN_CONFIG_END
 fi
 # Ranks and the rendezvous come from Slurm, not from the environment sbatch was called in.
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
-# An error noted by the last attempt is not this one's.
-rm -f "$PRETRAIN_RUN_DIR/.failed"
+# An error or a stop noted by the last attempt is not this one's.
+rm -f "$PRETRAIN_RUN_DIR/.failed" "$PRETRAIN_RUN_DIR/.stopped"
 # Preemption also signals this script: carry on to the requeue check below once srun returns.
 trap 'PRETRAIN_GOT_TERM=1; echo "pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint" >&2' TERM
 export NCCL_DEBUG=WARN
@@ -188,6 +188,8 @@ elif [ -f "$PRETRAIN_RUN_DIR/.requeue" ]; then
   pretrain_requeue "stopped with a checkpoint before the time limit"
 elif [ -s "$PRETRAIN_RUN_DIR/.failed" ]; then
   echo "pretrain: not requeued: the training stopped on an error a requeue would repeat: $(head -n 1 "$PRETRAIN_RUN_DIR/.failed")" >&2
+elif [ -f "$PRETRAIN_RUN_DIR/.stopped" ] && [ -z "${PRETRAIN_GOT_TERM:-}" ]; then
+  pretrain_requeue "the tasks were stopped by a signal this job was not sent: not a scancel or a preemption (a node shutting down, a signal to the steps only); scancel $SLURM_JOB_ID ends it for good"
 elif [ -z "${PRETRAIN_GOT_TERM:-}" ]; then
   case "$pretrain_srun_status" in
     0|1|2) ;;

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.rundir import FAILED_MARKER, REQUEUE_REQUEST, STOPPED_NOTICE
 from tests.helpers import REPO, losses
 from tests.sbatch_examples import FAKE_RUNTIME, SCRIPTS, generate
 from tests.slurm.fixture import slurm_cluster  # noqa: F401
@@ -151,3 +152,47 @@ def test_generated_scripts_run_no_value_as_a_command(tmp_path):
         assert "EVIL=$(touch pwned4); `touch pwned4`" in recorded  # the value arrived as a value
         assert "scontrol" not in recorded  # nothing asked for a requeue
     assert sorted(p.name for p in tmp_path.rglob("pwned*")) == []
+
+
+# What the batch script does after srun: (notes the ranks left, whether the job itself got SIGTERM,
+# srun's exit status, the requeue reason it prints or None for no requeue).
+AFTER_SRUN = {
+    "finished": ((), False, 0, None),
+    "time_limit": ((REQUEUE_REQUEST,), False, 0, "stopped with a checkpoint before the time limit"),
+    "tasks_alone_got_sigterm": ((STOPPED_NOTICE,), False, 0, "the tasks were stopped by a signal this job was not sent"),
+    "scancel_or_preemption": ((STOPPED_NOTICE,), True, 0, None),
+    "a_rank_crashed": ((), False, 137, "a task failed with exit code 137"),
+    "ranks_killed_by_scancel": ((), True, 143, None),
+    "an_error_a_rerun_repeats": ((FAILED_MARKER,), False, 1, None),
+}
+
+
+@pytest.mark.parametrize("case", AFTER_SRUN)
+def test_the_batch_script_requeues_exactly_what_slurm_did_not_end(tmp_path, case):
+    """The generated setup and teardown run under bash around a stand-in srun that leaves the ranks'
+    notes, signals the script as scancel would, and exits with srun's status; scontrol records."""
+    from pretrain.config import ClusterConfig
+    from pretrain.launcher.slurm import run_dir_lines, setup_lines, teardown_lines
+
+    notes, batch_signalled, status, reason = AFTER_SRUN[case]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / STOPPED_NOTICE).write_text("left by the last attempt\n")  # never this attempt's
+    srun = "".join(f'echo x > "$PRETRAIN_RUN_DIR/{note}"; ' for note in notes)
+    srun += "kill -TERM $$; " if batch_signalled else ""
+    cluster = ClusterConfig(name="x", max_requeues=3)
+    script = "\n".join([*setup_lines(cluster, run_dir_lines([str(run_dir)])), f"( {srun}exit {status} )",
+                        *teardown_lines(cluster)])
+    bin_dir = stand_in_slurm(tmp_path / "bin")
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_CALLS": str(calls)}
+    env.pop("SLURM_RESTART_COUNT", None)
+    ran = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == status, ran.stderr
+    recorded = calls.read_text().splitlines() if calls.exists() else []
+    if reason is None:
+        assert "scontrol" not in recorded and "requeueing" not in ran.stdout, ran.stdout
+    else:
+        assert recorded[:3] == ["scontrol", "requeue", "7"]
+        assert f"pretrain: requeueing job 7 ({reason}" in ran.stdout

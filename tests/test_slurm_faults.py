@@ -3,6 +3,8 @@ that turns read-only while a job writes to it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from contextlib import contextmanager
@@ -44,6 +46,47 @@ def test_a_node_that_dies_mid_job_is_requeued_and_resumes_to_the_same_loss(slurm
     # Slurm records the lost attempt as NODE_FAIL when it noticed the node first, else the batch
     # script's own requeue (a task failed) as REQUEUED.
     assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss, ("REQUEUED", "NODE_FAIL"))
+
+
+def python_processes_of(job: str, node: str) -> list[int]:
+    """The training processes of `job`'s tasks on `node` (this attempt's)."""
+    from tests.helpers import processes_with_env
+
+    pids = processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME=node)
+    return [p for p in pids if "python" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+
+
+def test_sigterm_to_one_nodes_tasks_alone_checkpoints_and_requeues(slurm_cluster, tmp_path, uninterrupted_loss):
+    """A node shutting down (systemd's SIGTERM to every process on it), or a stray kill of a step: the
+    tasks got SIGTERM, the job did not. The ranks checkpoint together and the job comes back, instead
+    of ending COMPLETED with the run half done."""
+    run_dir = tmp_path / "run"
+    assert submit(slurm_cluster, write_cluster_conf(tmp_path), *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    job = job_id_of(run_dir)
+    wait_for_step(run_dir, 12)
+    victims = python_processes_of(job, "n2")  # ranks 2 and 3
+    assert victims
+    for pid in victims:
+        os.kill(pid, signal.SIGTERM)
+    assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
+    out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert "(a signal on another rank); the job will be requeued unless it was cancelled or preempted" in out
+    assert (f"pretrain: requeueing job {job} (the tasks were stopped by a signal this job was not sent: not a "
+            f"scancel or a preemption") in out
+
+
+def test_scancel_ends_the_job_for_good_with_its_checkpoints_intact(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    assert submit(slurm_cluster, write_cluster_conf(tmp_path), *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
+    job = job_id_of(run_dir)
+    wait_for_step(run_dir, 12)
+    slurm_cluster.run("scancel", job)
+    assert slurm_cluster.wait_job(job, timeout=120) == "CANCELLED", slurm_cluster.describe_job(job)
+    assert slurm_cluster.restarts(job) == 0
+    assert "requeueing" not in (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    saved = complete_checkpoints(run_dir / "checkpoints")
+    assert saved and all(problems(path) == [] for path in saved)
+    assert "stopping at step" in (run_dir / "train.log").read_text()
 
 
 @contextmanager

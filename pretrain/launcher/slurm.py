@@ -31,7 +31,7 @@ from typing import Any
 from pretrain import rundir
 from pretrain.config import ClusterConfig, Config, ConfigError
 from pretrain.launcher import container, submitit_script
-from pretrain.rundir import EXCLUDE_NODES, FAILED_MARKER, REQUEUE_REQUEST, ExitCode
+from pretrain.rundir import EXCLUDE_NODES, FAILED_MARKER, REQUEUE_REQUEST, STOPPED_NOTICE, ExitCode
 
 
 class JobEntry:
@@ -72,8 +72,8 @@ def setup_lines(cluster: ClusterConfig, run_dir_definition: list[str]) -> list[s
         *run_dir_definition,
         "# Ranks and the rendezvous come from Slurm, not from the environment sbatch was called in.",
         "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT",
-        "# An error noted by the last attempt is not this one's.",
-        f'rm -f "$PRETRAIN_RUN_DIR/{FAILED_MARKER}"',
+        "# An error or a stop noted by the last attempt is not this one's.",
+        f'rm -f "$PRETRAIN_RUN_DIR/{FAILED_MARKER}" "$PRETRAIN_RUN_DIR/{STOPPED_NOTICE}"',
         "# Preemption also signals this script: carry on to the requeue check below once srun returns.",
         "trap 'PRETRAIN_GOT_TERM=1; echo \"pretrain: batch script got SIGTERM; waiting for the tasks to checkpoint\" >&2' TERM",
     ]
@@ -91,7 +91,13 @@ def teardown_lines(cluster: ClusterConfig) -> list[str]:
     rank crashed, hung or lost a collective (any exit code but ExitCode.final()'s), or without the
     nodes that failed the preflight check, if any did; never after an error a rerun would repeat (a
     bad config, a diverged loss, an unwritable checkpoint): the rank that met it notes it in
-    FAILED_MARKER, since srun reports the ranks it then had to kill with their signal's exit codes."""
+    FAILED_MARKER, since srun reports the ranks it then had to kill with their signal's exit codes.
+
+    SIGTERM to the job (scancel, preemption, `scontrol requeue`) reaches this script as well as the
+    tasks, and then Slurm decides: nothing is requeued from here. When only the tasks got it (their
+    node shutting down, `scancel --signal=TERM` without --full, a stray kill of a step) the ranks
+    stop with a checkpoint and note it in STOPPED_NOTICE, and the job is requeued: it was not ended,
+    so it must not finish with the run half done."""
     limit = cluster.max_requeues
     final = "|".join(str(int(code)) for code in ExitCode.final())
     return [
@@ -115,6 +121,9 @@ def teardown_lines(cluster: ClusterConfig) -> list[str]:
         f'elif [ -s "$PRETRAIN_RUN_DIR/{FAILED_MARKER}" ]; then',
         f'  echo "pretrain: not requeued: the training stopped on an error a requeue would repeat: '
         f'$(head -n 1 "$PRETRAIN_RUN_DIR/{FAILED_MARKER}")" >&2',
+        f'elif [ -f "$PRETRAIN_RUN_DIR/{STOPPED_NOTICE}" ] && [ -z "${{PRETRAIN_GOT_TERM:-}}" ]; then',
+        '  pretrain_requeue "the tasks were stopped by a signal this job was not sent: not a scancel or a '
+        'preemption (a node shutting down, a signal to the steps only); scancel $SLURM_JOB_ID ends it for good"',
         'elif [ -z "${PRETRAIN_GOT_TERM:-}" ]; then',
         '  case "$pretrain_srun_status" in',
         f"    {final}) ;;",

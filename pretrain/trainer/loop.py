@@ -277,9 +277,15 @@ class Trainer:
 
     def log_stop(self, step: int, planned: bool, last_checkpoint: Path | None) -> None:
         reason = f"train.stop_at_step={step}" if planned else self.stop.reason
-        requeue = (not planned and self.stop.wants_requeue and self.env.is_main
-                   and resilience.request_requeue(self.run_dir, step))
-        then = "the job will be requeued and" if requeue else "rerun the same run directory to"
+        noted = (not planned and self.env.is_main
+                 and resilience.leave_stop_note(self.run_dir, step, self.stop.agreed_kind, reason))
+        if noted and self.stop.wants_requeue:
+            then = "the job will be requeued and"
+        elif noted:
+            then = ("the job will be requeued unless it was cancelled or preempted (then Slurm requeues it, "
+                    "or you rerun the same run directory), and will")
+        else:
+            then = "rerun the same run directory to"
         log.warning("stopping at step %d (%s); %s resume from %s", step, reason, then, last_checkpoint)
 
     def mean_across_ranks(self, value: torch.Tensor) -> float:
@@ -369,7 +375,7 @@ class Trainer:
         root = self.run_dir / rundir.CHECKPOINTS
         if self.env.is_main:
             checkpoint.tidy(root)
-            resilience.clear_requeue_request(self.run_dir)
+            resilience.clear_stop_notes(self.run_dir)
         dist.barrier()
         for path in reversed(rundir.complete_checkpoints(root)):
             damage = checkpoint.verify(path, self.verify_ahead)

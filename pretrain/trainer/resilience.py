@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain.rundir import REQUEUE_REQUEST, ExitCode
+from pretrain.rundir import REQUEUE_REQUEST, STOPPED_NOTICE, ExitCode
 from pretrain.trainer.deferred import DeferredValue
 
 log = logging.getLogger("pretrain")
@@ -60,7 +60,8 @@ log = logging.getLogger("pretrain")
 # scripts; TERM for preemption and scancel; INT for Ctrl-C on a local run (a second one aborts at once).
 SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 # Signals that mean "time is up, come back later": the job asks to be requeued. SIGTERM comes from
-# scancel (the user wants it gone) or from preemption (Slurm requeues or cancels it itself).
+# scancel (the user wants it gone) or from preemption (Slurm requeues or cancels it itself), which
+# signal the batch script too; the batch script requeues only a SIGTERM that reached the tasks alone.
 REQUEUE_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
 
@@ -117,16 +118,25 @@ class StopRequest:
         return self.agreed_kind != self.NONE
 
 
-def request_requeue(run_dir: Path, step: int) -> bool:
-    """Ask the batch script to requeue this Slurm job; False outside Slurm (nothing to requeue)."""
+def leave_stop_note(run_dir: Path, step: int, kind: int, reason: str) -> bool:
+    """Tell the batch script why the ranks stopped; False outside Slurm (no batch script to tell).
+
+    A time-limit signal (StopRequest.REQUEUE) asks for a requeue (REQUEUE_REQUEST). SIGTERM or SIGINT
+    (StopRequest.STOP) leaves STOPPED_NOTICE: the batch script requeues when it was not signalled
+    itself, since then the job was neither cancelled nor preempted (a node shutting down, a signal
+    sent to the job's steps only) and ending it would leave the run unfinished.
+    """
     if "SLURM_JOB_ID" not in os.environ:
         return False
-    (run_dir / REQUEUE_REQUEST).write_text(f"{os.environ['SLURM_JOB_ID']} stopped at step {step}\n")
+    name = REQUEUE_REQUEST if kind == StopRequest.REQUEUE else STOPPED_NOTICE
+    (run_dir / name).write_text(f"{os.environ['SLURM_JOB_ID']} stopped at step {step} ({reason})\n")
     return True
 
 
-def clear_requeue_request(run_dir: Path) -> None:
-    (run_dir / REQUEUE_REQUEST).unlink(missing_ok=True)
+def clear_stop_notes(run_dir: Path) -> None:
+    """Forget the last attempt's notes: this attempt resumes, and will leave its own."""
+    for name in (REQUEUE_REQUEST, STOPPED_NOTICE):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 # ---- the stall watchdog -------------------------------------------------------------------------

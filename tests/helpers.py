@@ -153,6 +153,13 @@ def processes_with_env(**wanted: str) -> list[int]:
     return pids
 
 
+def training_processes_of(job: str, node: str) -> list[int]:
+    """The python processes of Slurm job `job`'s tasks on `node` (its first attempt's while that runs)."""
+    pids = (processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME=node, SLURM_RESTART_COUNT="0")
+            or processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME=node))
+    return [p for p in pids if "python" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+
+
 # torch 2.7's gloo group can deadlock when destroyed right after a collective: a worker thread drops the
 # collective's tensors just after the caller got its result and needs the GIL for that, while the thread
 # destroying the group joins it holding the GIL (seen in CI: the worker in ~AsyncAllgatherWork waiting for

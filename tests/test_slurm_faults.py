@@ -1,5 +1,5 @@
-"""Faults on the local Slurm cluster: a node that dies in the middle of a job, and a checkpoint folder
-that turns read-only while a job writes to it."""
+"""Faults on the local Slurm cluster: a node that dies in the middle of a job, SIGTERM to one node's
+tasks alone, a plain scancel, and a checkpoint folder that turns read-only while a job writes to it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from pretrain.rundir import complete_checkpoints
 from pretrain.trainer.checkpoint import problems
+from tests.helpers import training_processes_of
 from tests.slurm.fixture import SlurmCluster, slurm_cluster  # noqa: F401
 from tests.test_slurm_submit import (PREEMPT, assert_resumed_to_the_same_end, job_id_of, losses, submit,  # noqa: F401
                                      uninterrupted_loss, wait_for_step, write_cluster_conf)
@@ -48,14 +49,6 @@ def test_a_node_that_dies_mid_job_is_requeued_and_resumes_to_the_same_loss(slurm
     assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss, ("REQUEUED", "NODE_FAIL"))
 
 
-def python_processes_of(job: str, node: str) -> list[int]:
-    """The training processes of `job`'s tasks on `node` (this attempt's)."""
-    from tests.helpers import processes_with_env
-
-    pids = processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME=node)
-    return [p for p in pids if "python" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
-
-
 def test_sigterm_to_one_nodes_tasks_alone_checkpoints_and_requeues(slurm_cluster, tmp_path, uninterrupted_loss):
     """A node shutting down (systemd's SIGTERM to every process on it), or a stray kill of a step: the
     tasks got SIGTERM, the job did not. The ranks checkpoint together and the job comes back, instead
@@ -64,7 +57,7 @@ def test_sigterm_to_one_nodes_tasks_alone_checkpoints_and_requeues(slurm_cluster
     assert submit(slurm_cluster, write_cluster_conf(tmp_path), *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
     job = job_id_of(run_dir)
     wait_for_step(run_dir, 12)
-    victims = python_processes_of(job, "n2")  # ranks 2 and 3
+    victims = training_processes_of(job, "n2")  # ranks 2 and 3
     assert victims
     for pid in victims:
         os.kill(pid, signal.SIGTERM)

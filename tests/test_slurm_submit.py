@@ -290,16 +290,14 @@ def test_requeue_works_with_scontrol_hidden_in_a_container(slurm_cluster, tmp_pa
 
 def test_killed_node_ends_the_job_which_is_requeued_and_resumes(slurm_cluster, cluster_conf, tmp_path,
                                                               uninterrupted_loss):
-    from tests.helpers import processes_with_env
+    from tests.helpers import training_processes_of
 
     run_dir = tmp_path / "run"
     assert submit(slurm_cluster, cluster_conf, *PREEMPT, f"hydra.run.dir={run_dir}").returncode == 0
     job = job_id_of(run_dir)
     wait_for_step(run_dir, 12)
     # Every process of node n2's tasks (ranks 2 and 3), as if the node had died.
-    victims = processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME="n2", SLURM_RESTART_COUNT="0") or \
-        processes_with_env(SLURM_JOB_ID=job, SLURMD_NODENAME="n2")
-    victims = [p for p in victims if "python" in open(f"/proc/{p}/cmdline").read()]
+    victims = training_processes_of(job, "n2")
     assert victims
     for pid in victims:
         os.kill(pid, 9)

@@ -64,6 +64,9 @@ def test_sigterm_to_one_nodes_tasks_alone_checkpoints_and_requeues(slurm_cluster
     assert_resumed_to_the_same_end(slurm_cluster, run_dir, job, uninterrupted_loss)
     out = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert "(a signal on another rank); the job will be requeued unless it was cancelled or preempted" in out
+    signalled_rank = "".join(p.read_text() for p in (run_dir / "slurm").glob(f"{job}_2_log.*"))
+    assert "(SIGTERM); the job will be requeued unless it was cancelled or preempted" in signalled_rank
+    assert "rerun the same run directory to resume" not in signalled_rank
     assert (f"pretrain: requeueing job {job} (the tasks were stopped by a signal this job was not sent: not a "
             f"scancel or a preemption") in out
 

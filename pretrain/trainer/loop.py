@@ -277,11 +277,13 @@ class Trainer:
 
     def log_stop(self, step: int, planned: bool, last_checkpoint: Path | None) -> None:
         reason = f"train.stop_at_step={step}" if planned else self.stop.reason
-        noted = (not planned and self.env.is_main
-                 and resilience.leave_stop_note(self.run_dir, step, self.stop.agreed_kind, reason))
-        if noted and self.stop.wants_requeue:
+        # Every rank says what happens next (all print warnings); rank 0 leaves the note for the batch script.
+        batch_script_acts = not planned and resilience.in_slurm_job()
+        if batch_script_acts and self.env.is_main:
+            resilience.leave_stop_note(self.run_dir, step, self.stop.agreed_kind, reason)
+        if batch_script_acts and self.stop.wants_requeue:
             then = "the job will be requeued and"
-        elif noted:
+        elif batch_script_acts:
             then = ("the job will be requeued unless it was cancelled or preempted (then Slurm requeues it, "
                     "or you rerun the same run directory), and will")
         else:

@@ -118,19 +118,21 @@ class StopRequest:
         return self.agreed_kind != self.NONE
 
 
-def leave_stop_note(run_dir: Path, step: int, kind: int, reason: str) -> bool:
-    """Tell the batch script why the ranks stopped; False outside Slurm (no batch script to tell).
+def in_slurm_job() -> bool:
+    """Whether a Slurm batch script runs this process (and acts on the notes below when it ends)."""
+    return "SLURM_JOB_ID" in os.environ
+
+
+def leave_stop_note(run_dir: Path, step: int, kind: int, reason: str) -> None:
+    """Tell the batch script why the ranks stopped (in a Slurm job; see in_slurm_job).
 
     A time-limit signal (StopRequest.REQUEUE) asks for a requeue (REQUEUE_REQUEST). SIGTERM or SIGINT
     (StopRequest.STOP) leaves STOPPED_NOTICE: the batch script requeues when it was not signalled
     itself, since then the job was neither cancelled nor preempted (a node shutting down, a signal
     sent to the job's steps only) and ending it would leave the run unfinished.
     """
-    if "SLURM_JOB_ID" not in os.environ:
-        return False
     name = REQUEUE_REQUEST if kind == StopRequest.REQUEUE else STOPPED_NOTICE
     (run_dir / name).write_text(f"{os.environ['SLURM_JOB_ID']} stopped at step {step} ({reason})\n")
-    return True
 
 
 def clear_stop_notes(run_dir: Path) -> None:

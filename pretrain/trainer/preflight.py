@@ -176,7 +176,7 @@ def failure_message(failed: list[DeviceResult]) -> str:
 
 def exclusion(cfg: Config, run_dir: Path, nodes: list[str], is_main: bool) -> str:
     """Under Slurm: leave the nodes for the batch script to exclude, where configured. What the message adds."""
-    if "SLURM_JOB_ID" not in os.environ:
+    if not resilience.in_slurm_job():
         return ""
     listed = ",".join(nodes)
     if not cfg.preflight.exclude_and_requeue:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pretrain.parallel.compat import CPU_ALL_REDUCE
-from tests.helpers import MINI_MODEL, last_step_record, launch, losses, metrics, step_values
+from tests.helpers import MINI_MODEL, REPO, last_step_record, launch, losses, metrics, step_values
 
 # The mini model with a higher learning rate: learning shows within 16 steps (5.9 -> 4.0), in seconds.
 SHORT = (*MINI_MODEL, "optim.lr=3e-3", "optim.warmup_steps=4", "train.micro_batch=8", "train.steps=16",
@@ -37,6 +41,20 @@ def test_default_run_learns_and_reports(tmp_path):
     for written in ("config.yaml", "train.log", "metrics.jsonl", "data/builtin/index.json"):
         assert (run_dir / written).is_file(), written
     assert any("eval_loss" in r for r in metrics(run_dir)) is False  # eval_every=100 > 60 steps
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs, to give the launch one of them")
+def test_a_rank_gets_a_thread_per_cpu_the_launch_may_use_not_per_cpu_of_the_machine(tmp_path):
+    """Inside an salloc allocation, a cgroup or taskset a launch may use fewer CPUs than the machine has:
+    a thread for each of the machine's would oversubscribe the few it has."""
+    run_dir, one_cpu = tmp_path / "run", min(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the launcher's own choice
+    result = subprocess.run([sys.executable, "-m", "pretrain.launch", *MINI_MODEL, "train.steps=1", "local.nproc=1",
+                             f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300, preexec_fn=lambda: os.sched_setaffinity(0, {one_cpu}))
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert [(r["cpus"], r["threads"]) for r in metrics(run_dir)[0]["ranks"]] == [(1, 1)]
+    assert "1-1 CPUs and 1-1 threads per rank" in result.stdout
 
 
 # Every strategy and both CPU precisions with two processes (the 4-process hybrid case is below).

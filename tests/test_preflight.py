@@ -59,6 +59,9 @@ def test_two_ranks_pass_and_the_result_is_logged(tmp_path):
     import os
 
     assert [r["cpus"] for r in record["ranks"]] == [len(os.sched_getaffinity(0))] * 2  # what each rank may run on
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(len(os.sched_getaffinity(0)) // 2, 1)))
+    assert [r["threads"] for r in record["ranks"]] == [threads] * 2  # the CPUs shared out between the two
+    assert f"CPUs and {threads}-{threads} threads per rank" in result.stdout
     assert [r["device"] for r in record["ranks"]] == ["cpu", "cpu"]
     assert "preflight passed" in (run_dir / "train.log").read_text()
     assert max(losses(run_dir)) == 4

@@ -97,9 +97,15 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        # Two ranks sharing a few cores fight over threads; torchrun sets the same.
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // world_size, 1))),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(world_size))),
     }
+
+
+def threads_per_rank(world_size: int) -> int:
+    """The CPUs this launch may run on, shared out between its ranks: ranks sharing cores fight over their
+    threads (torchrun sets the same). The affinity, not the machine's count: inside an salloc allocation,
+    a cgroup or taskset, the machine's 128 cores may be 8 for us, and 128 threads on 8 cores crawl."""
+    return max(len(os.sched_getaffinity(0)) // world_size, 1)
 
 
 def run(cfg: Config, world: int) -> int:

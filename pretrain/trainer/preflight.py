@@ -55,6 +55,8 @@ class DeviceResult:
     cpus: int = 0
     # The GPUs the task was given to see (CUDA_VISIBLE_DEVICES; "all" when unset).
     visible: str = "all"
+    # torch's threads for work on the CPU: more than `cpus` (or ranks of a node sharing them) oversubscribes.
+    threads: int = 0
     problem: str = ""
 
 
@@ -108,7 +110,8 @@ def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
     seconds = time.perf_counter() - started
     tflops = 2 * n**3 * MATMUL_ITERATIONS / seconds / 1e12
     return DeviceResult(rank, node_name(), tflops, wrong, n * n, device_identity(device),
-                        len(os.sched_getaffinity(0)), os.environ.get("CUDA_VISIBLE_DEVICES", "all"))
+                        len(os.sched_getaffinity(0)), os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
+                        threads=torch.get_num_threads())
 
 
 def device_identity(device: torch.device) -> str:
@@ -266,9 +269,10 @@ def passed_message(record: dict) -> str:
                if "busbw_gbps" in record else "one rank, no all-reduce")
     n = record["matmul_n"]
     cpus = [r["cpus"] for r in ranks]
+    threads = [r["threads"] for r in ranks]
     return (f"preflight passed on {len(ranks)} rank{'s' if len(ranks) > 1 else ''} ({', '.join(nodes)}): "
             f"{n} x {n} {record['matmul_dtype']} products exact, {min(rates):.2f}-{max(rates):.2f} TFLOP/s per device; "
-            f"{network}; {min(cpus)}-{max(cpus)} CPUs per rank{gpu_list(ranks)}")
+            f"{network}; {min(cpus)}-{max(cpus)} CPUs and {min(threads)}-{max(threads)} threads per rank{gpu_list(ranks)}")
 
 
 def gpu_list(ranks: list[dict]) -> str:

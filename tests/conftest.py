@@ -4,6 +4,8 @@ import time
 
 import pytest
 
+from pretrain.launcher.local import threads_per_rank
+
 # Keep every test off the network and away from a user's W&B account.
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers reads the folders the tests write, never the hub
@@ -16,7 +18,7 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.enviro
 # launcher does between the ranks of one run.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(len(os.sched_getaffinity(0)) // _workers, 1)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(_workers)))
 
 
 @pytest.fixture(autouse=True)

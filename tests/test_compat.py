@@ -5,6 +5,8 @@ release changes one of them."""
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,3 +80,26 @@ def test_submitit_still_has_what_submitit_script_calls(name):
 
     assert callable(getattr(submitit_slurm, name))
     assert isinstance(submitit_slurm.SlurmExecutor._submitit_command_str, property)
+
+
+def test_tritons_install_is_hashed_by_a_background_thread_once_compiling_has_imported_it():
+    """Inductor's cache key hashes Triton's install (libtriton's 500 MB): a requeued job's first step paid
+    it until compilation started the hash in the background; here nothing but the prefetch asks for it."""
+    pytest.importorskip("triton")
+    code = (
+        "import time\n"
+        "from torch._inductor import codecache  # imported by compiling\n"
+        "from pretrain.parallel import compat\n"
+        "key = compat._tritons_cached_key()\n"
+        "before = key.cache_info().currsize\n"
+        "compat.prefetch_triton_key()\n"
+        "deadline = time.monotonic() + 120\n"
+        "while key.cache_info().currsize == 0 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "filled = key.cache_info().currsize\n"
+        "getattr(codecache, 'triton_key', key)()  # what Inductor asks (torch 2.7 asks Triton directly)\n"
+        "print(before, filled, key.cache_info().misses)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["0", "1", "1"]  # not there before, then hashed once, by the prefetch alone

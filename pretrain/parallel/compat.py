@@ -11,11 +11,15 @@ each piece with a test (tests/test_compat.py) that fails loudly when a torch rel
 - Which rows of a parameter a rank holds (model.init_from reads only those): DTensor has no public
   way to say where its local shard lies in the whole; `compute_local_shape_and_global_offset` is what
   DCP uses for it.
+- Inductor's cache key (prefetch_triton_key): newer torch can compute its hash of Triton's install
+  ahead (`codecache.triton_key.prefetch`, in 2.13); older torch (2.7) calls Triton's own cached
+  function, which a thread of ours then fills.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -86,3 +90,37 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, range]:
     if any(offset[1:]) or tuple(shape[1:]) != tuple(tensor.shape[1:]):
         raise ValueError(f"a parameter split along more than its rows ({tensor.placements}): only FSDP's are read")
     return tensor.to_local(), range(offset[0], offset[0] + shape[0])
+
+
+def prefetch_triton_key() -> None:
+    """Start hashing Triton's install, part of Inductor's cache key, in a background thread.
+
+    Every process that runs compiled code computes that hash once, at its first compiled call: the
+    SHA-256 of libtriton (about 500 MB) and of Triton's sources, 0.3 s on the 2-core CPU machine and
+    longer on a node whose page cache does not yet hold the container's copy. A requeued job, whose
+    graphs all come from the compile cache, pays it inside its first step. Hashing and file reads
+    release the interpreter lock, so in a thread started once Triton is imported it costs the main
+    thread nothing. No Triton (torch's CPU build alone): nothing to do.
+    """
+    from torch._inductor import codecache
+
+    prefetch = getattr(getattr(codecache, "triton_key", None), "prefetch", None)
+    if prefetch is not None:
+        prefetch()  # torch's own: a first call before it is done waits for it instead of hashing again
+        return
+    key = _tritons_cached_key()
+    if key is not None:
+        threading.Thread(target=key, name="triton-key", daemon=True).start()
+
+
+def _tritons_cached_key() -> Callable[[], str] | None:
+    """Triton's own triton_key, an lru_cache, which torch calls: in triton.runtime.cache since about
+    Triton 3.4, in triton.compiler.compiler before (3.3, torch 2.7's)."""
+    for module in ("triton.runtime.cache", "triton.compiler.compiler"):
+        try:
+            key = getattr(__import__(module, fromlist=["triton_key"]), "triton_key", None)
+        except ImportError:
+            return None
+        if key is not None:
+            return key
+    return None

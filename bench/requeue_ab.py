@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,13 @@ import common  # noqa: E402
 from restart import BASE  # noqa: E402
 
 STOP_AT = 3  # the cold job's steps: warm-up enough for the checkpoint to be a mid-run one
+
+
+def tree_commit(tree: Path) -> str:
+    """The commit a tree is at (a worktree of it), with a + where its files differ from it."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", "-C", str(tree), *command], capture_output=True, text=True).stdout.strip()
+    return (git("rev-parse", "--short", "HEAD") or "?") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def startup(run_dir: Path) -> dict[str, Any]:
@@ -59,7 +67,7 @@ def table(result: dict[str, Any]) -> str:
     phases = list(dict.fromkeys([*a.get("phases", {}), *b.get("phases", {})]))
     lines = ["| tree | requeued jobs | start-up (s) | " + " | ".join(phases) + " |",
              "|---|---|---|" + "---|" * len(phases)]
-    for tree, m, source in (("A", a, result["base"]), ("B", b, result["commit"][:7])):
+    for tree, m, source in (("A", a, result["base_commit"]), ("B", b, result["this_commit"])):
         if m:
             lines.append(f"| {tree} ({source}) | {m['jobs']} | {m['startup_s']:.2f} | "
                          + " | ".join(f"{m['phases'].get(p, 0):.2f}" for p in phases) + " |")
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             for tree, repo in (order if index % 2 else order[::-1]):
                 jobs.append(job(args, tree, repo, [f"train.steps={STOP_AT + 1}"], index))
     shutil.rmtree(args.run_dir, ignore_errors=True)
-    result = {"name": args.name, **common.stamp(), "base": str(args.base), "command": cold["command"], "cold": cold,
+    result = {"name": args.name, **common.stamp(), "base": str(args.base),
+              "base_commit": tree_commit(args.base), "this_commit": tree_commit(common.REPO), "command": cold["command"], "cold": cold,
               "jobs": jobs, "median": {tree: medians(jobs, tree) for tree in ("A", "B")}}
     common.write_result(args.out, args.name, result, table(result))
     print(table(result))

@@ -4,7 +4,7 @@
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
-#                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests
+#                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -93,6 +93,9 @@ for phase in "$@"; do
                   --out "$results" 2>&1 | tail -4 ;;
     ab-restart*) ab_tree && python3 bench/restart.py --repo /tmp/ab --name "restart-1b-1gpu-ab-$BENCH_COMMIT${phase#ab-restart}" \
                   --out "$results" $RESTART_ARGS 2>&1 | tail -8 ;;
+    requeue-ab*)  # requeued starts of the .ab side and this tree, interleaved, from one cold job; REQUEUE_ARGS, e.g. --pairs 8
+                ab_tree && python3 bench/requeue_ab.py --base /tmp/ab --name "requeue-ab-1b-1gpu-$BENCH_COMMIT${phase#requeue-ab}" \
+                  --out "$results" ${REQUEUE_ARGS:-} 2>&1 | tail -8 ;;
     compile-site)  # give the image's packages the bytecode it lacks, as an image built with it has
                 python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
                   > /dev/null 2>&1; echo "compileall exit $?" ;;

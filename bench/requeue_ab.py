@@ -32,10 +32,14 @@ STOP_AT = 3  # the cold job's steps: warm-up enough for the checkpoint to be a m
 
 
 def tree_commit(tree: Path) -> str:
-    """The commit a tree is at (a worktree of it), with a + where its files differ from it."""
+    """The commit a tree is at (a worktree of it), with a + where its files differ from it; outside git (a
+    copy on the device machine) its path."""
     def git(*command: str) -> str:
         return subprocess.run(["git", "-C", str(tree), *command], capture_output=True, text=True).stdout.strip()
-    return (git("rev-parse", "--short", "HEAD") or "?") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return str(tree)
+    return head + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def startup(run_dir: Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from restart import BASE  # noqa: E402
+from restart import BASE, startups  # noqa: E402
 
 STOP_AT = 3  # the cold job's steps: warm-up enough for the checkpoint to be a mid-run one
 
@@ -44,7 +44,7 @@ def tree_commit(tree: Path) -> str:
 
 def startup(run_dir: Path) -> dict[str, Any]:
     """The newest start-up record of the run (a resumed job truncates the metrics after its checkpoint)."""
-    records = [r for r in common.metrics(run_dir) if "startup_s" in r]
+    records = startups(run_dir)
     return records[-1] if records else {}
 
 
@@ -100,9 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             for tree, repo in (order if index % 2 else order[::-1]):
                 jobs.append(job(args, tree, repo, [f"train.steps={STOP_AT + 1}"], index))
     shutil.rmtree(args.run_dir, ignore_errors=True)
-    result = {"name": args.name, **common.stamp(), "base": str(args.base),
-              "base_commit": tree_commit(args.base), "this_commit": tree_commit(common.REPO), "command": cold["command"], "cold": cold,
-              "jobs": jobs, "median": {tree: medians(jobs, tree) for tree in ("A", "B")}}
+    result = {"name": args.name, **common.stamp(), "base": str(args.base), "base_commit": tree_commit(args.base),
+              "this_commit": tree_commit(common.REPO), "command": cold["command"], "cold": cold, "jobs": jobs, "median": {tree: medians(jobs, tree) for tree in ("A", "B")}}
     common.write_result(args.out, args.name, result, table(result))
     print(table(result))
     return 0 if result["median"]["A"] and result["median"]["B"] else 1

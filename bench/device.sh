@@ -5,6 +5,7 @@
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
+#                        |cuda-start|context-tests
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -41,13 +42,19 @@ for phase in "$@"; do
   echo "== $phase $(date +%T)"
   case $phase in
     gpu-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_components.py \
-                  tests/test_checkpoint_files.py tests/test_master_adamw.py > "$results/test_gpu.log" 2>&1
+                  tests/test_checkpoint_files.py tests/test_master_adamw.py tests/test_cuda_context.py > "$results/test_gpu.log" 2>&1
                 tail -3 "$results/test_gpu.log" ;;
     master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank
                 python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py \
                   "tests/test_gpu.py::test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does" \
                   > "$results/test_master-$BENCH_COMMIT.log" 2>&1
                 tail -3 "$results/test_master-$BENCH_COMMIT.log" ;;
+    context-tests)  # the CUDA context made in a thread during the job's imports, on the GPU torch then drives
+                python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_context.py \
+                  > "$results/test_cuda_context-$BENCH_COMMIT.log" 2>&1
+                tail -3 "$results/test_cuda_context-$BENCH_COMMIT.log" ;;
+    cuda-start) python3 bench/cuda_start.py --repeats ${CUDA_START_REPEATS:-5} --name "cuda-start-$BENCH_COMMIT" \
+                  --out "$results" 2>&1 | tail -8 ;;
     optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \

@@ -49,13 +49,13 @@ def build_trainer(overrides: list[str], run_dir: Path):
     from pretrain.hosts import free_port
     from pretrain.launcher import local, preparation
     from pretrain.launcher.world import world_of
-    from pretrain.trainer import distributed, logs, loop
+    from pretrain.trainer import distributed, identity, logs, loop
 
     cfg = compose(overrides + [f"hydra.run.dir={run_dir}"])
     preparation.check_config(cfg, world_of(cfg))
     preparation.write_run(cfg)
     os.environ.update(local.rank_env(0, 1, free_port()))
-    env = distributed.detect()
+    env = identity.detect()
     device = distributed.device_for(env)
     distributed.init_process_group(env, device)
     logs.setup(run_dir, env.rank)

@@ -7,14 +7,16 @@ import os
 import sys
 from typing import NoReturn
 
-from pretrain.trainer import bytecode
+from pretrain.trainer import bytecode, cuda_context
 
 
 def main(argv: list[str] | None = None) -> int:
     """One rank of a job; returns its ExitCode (rundir). The trainer (torch and all) is imported only
-    once the run directory's bytecode cache is in place (pretrain.trainer.bytecode)."""
+    once the run directory's bytecode cache is in place (pretrain.trainer.bytecode), while a thread
+    makes the GPU's CUDA context (pretrain.trainer.cuda_context)."""
     argv = sys.argv[1:] if argv is None else argv
     bytecode.keep_in_run_dir(argv)
+    cuda_context.start_in_background()
     from pretrain.trainer import loop
 
     return loop.main(argv)

@@ -36,7 +36,7 @@ from pretrain.hosts import free_port
 from pretrain.launcher import preparation
 from pretrain.launcher.local import rank_env
 from pretrain.launcher.world import World
-from pretrain.trainer import distributed, logs, loop
+from pretrain.trainer import distributed, identity, logs, loop
 
 
 def status_kib(field: str) -> int:
@@ -50,7 +50,7 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def warm_up(cfg: Config, env: distributed.DistEnv, device: torch.device) -> None:
+def warm_up(cfg: Config, env: identity.DistEnv, device: torch.device) -> None:
     """Train a tiny model with cfg's settings for its steps, and drop it."""
     tiny = replace(cfg, model=replace(cfg.model, dim=64, n_layers=1, ffn_hidden=128, vocab_size=512),
                    train=replace(cfg.train, seq_len=32))
@@ -64,7 +64,7 @@ def warm_up(cfg: Config, env: distributed.DistEnv, device: torch.device) -> None
 def main(argv: list[str]) -> int:
     out, run_dir, overrides = Path(argv[0]), Path(argv[1]), argv[2:]
     cfg = compose([f"hydra.run.dir={run_dir}", *overrides])
-    env = distributed.detect()
+    env = identity.detect()
     device = distributed.device_for(env)
     preparation.check_config(cfg, World(env.world_size, env.local_world_size, device.type == "cuda"))
     if env.is_main:

@@ -204,6 +204,6 @@ def test_host_buffers_of_sharded_tensors_stay_on_the_host(device):
     (1, 2, {}, 1),                                         # torchrun, or no Slurm
 ])
 def test_each_rank_drives_its_own_gpu_whatever_the_binding(local_rank, count, environ, expected):
-    from pretrain.trainer.distributed import gpu_index
+    from pretrain.trainer.identity import gpu_index
 
     assert gpu_index(local_rank, count, environ) == expected

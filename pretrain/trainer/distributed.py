@@ -1,81 +1,17 @@
-"""Process identity and the process group: from torchrun-style variables or from Slurm.
+"""This rank's device and the job's process group (its identity: pretrain.trainer.identity).
 
-One process per GPU. The standard RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
-variables win (torchrun, our local launcher, any launcher that sets them); otherwise Slurm's
-srun variables are used. NCCL where CUDA is available, gloo elsewhere (CPU test nodes).
+NCCL where CUDA is available, gloo elsewhere (CPU test nodes).
 """
 
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from pretrain.hosts import expand_nodelist, free_port
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def slurm_port(job_id: str) -> int:
-    """A port all tasks of one job agree on without talking: derived from the job id."""
-    return 20000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
-
-
-def detect() -> DistEnv:
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        return DistEnv(
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", 29500)),
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", 1)))
-        return DistEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=int(env["SLURM_NTASKS"]) // max(nodes, 1),
-            master_addr=env.get("MASTER_ADDR") or expand_nodelist(env["SLURM_JOB_NODELIST"])[0],
-            master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
-        )
-    return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())
-
-
-def gpu_index(local_rank: int, device_count: int, environ: dict[str, str] | os._Environ) -> int:
-    """The GPU a rank drives, among the `device_count` it sees.
-
-    Slurm gives a task either its job's GPUs of the node (the default: CUDA_VISIBLE_DEVICES lists
-    them) or one GPU (--gpu-bind=per_task:1): then local rank modulo what is visible. With
-    --gpu-bind=none srun unsets CUDA_VISIBLE_DEVICES, and on a node shared with other jobs and
-    without device cgroups the task sees every GPU of the node: it must take its job's own, which
-    SLURM_JOB_GPUS names, not GPU local_rank, which may belong to another job.
-    """
-    job_gpus = [int(g) for g in environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip().isdigit()]
-    if "CUDA_VISIBLE_DEVICES" not in environ and job_gpus and device_count > len(job_gpus) \
-            and max(job_gpus) < device_count:
-        return job_gpus[local_rank % len(job_gpus)]
-    return local_rank % device_count
+from pretrain.trainer.identity import DistEnv, gpu_index
 
 
 def device_for(env: DistEnv) -> torch.device:

@@ -3,7 +3,7 @@
 RUN_DIR holds the resolved config.yaml the launcher wrote (`python -m pretrain.launch`, a batch
 script from `write_sbatch`, or `prepare_only=true` for launchers of your own such as torchrun):
 the job reads it and never composes configs. Rank and world come from torchrun-style variables or
-from Slurm (pretrain.trainer.distributed).
+from Slurm (pretrain.trainer.identity).
 
 `Trainer.fit` reads top to bottom: resume, then per step forward/backward over the micro-batches,
 one optimizer step, a report every train.log_every steps, evaluation, and a checkpoint when it is
@@ -41,7 +41,8 @@ from pretrain.parallel import float8
 from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
-from pretrain.trainer import bytecode, checkpoint, distributed, logs, precision, preflight, resilience, shard_reader
+from pretrain.trainer import (bytecode, checkpoint, distributed, identity, logs, precision, preflight, resilience,
+                             shard_reader)
 from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
@@ -98,7 +99,7 @@ def config_hash(cfg: Config) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: distributed.DistEnv, device: torch.device,
+    def __init__(self, cfg: Config, env: identity.DistEnv, device: torch.device,
                  stop: resilience.StopRequest | None = None, clock: StartupClock | None = None,
                  verify_ahead: checkpoint.VerifyAhead | None = None) -> None:
         """stop: the signal listener the loop asks at each step boundary (none installed by default);
@@ -485,7 +486,7 @@ class Trainer:
 def run(cfg: Config) -> dict[str, Any]:
     """Train in this process as one rank of the job described by the environment."""
     clock = StartupClock()
-    env = distributed.detect()
+    env = identity.detect()
     device = distributed.device_for(env)
     lock = rundir.RunLock(Path(cfg.run_dir))
     if env.is_main and os.environ.get(rundir.LOCK_HELD_ENV) != cfg.run_dir:

@@ -33,6 +33,7 @@ ENTRY = "pretrain/train.py"
 AFTER_A_STEP = ("Trainer.started", "StepWatchdog.beat", "Progress.step_done", "StopRequest.agreed", "Trainer.report",
                 "Trainer.save")
 IMPORT = "_find_and_load"
+FIRST_STEP = "Trainer.train_step"  # the first step's frames, torch's included, are tabled apart
 
 
 def short(file: str) -> str:
@@ -87,6 +88,18 @@ def calls_out(stacks: list[list[str]], weights: list[float]) -> Counter:
     return seconds
 
 
+def under(stacks: list[list[str]], weights: list[float], function: str) -> Counter:
+    """Seconds each frame, of any file, was on the stack in the samples taken inside `function`: where the
+    first step's time goes (Dynamo's tracing, the caches' loads, the kernels' first runs)."""
+    seconds: Counter = Counter()
+    for stack, weight in zip(stacks, weights):
+        names = [frame.split(" (", 1)[0] for frame in stack]
+        if function in names:
+            for frame in set(stack[names.index(function) + 1:]):
+                seconds[frame] += weight
+    return seconds
+
+
 def imports(stacks: list[list[str]], weights: list[float]) -> Counter:
     """Seconds spent importing each module, with the modules it imports (inclusive)."""
     seconds: Counter = Counter()
@@ -104,7 +117,8 @@ def summarise(path: Path, top: int) -> dict[str, Any]:
     return {"record": path.name, "seconds": round(sum(weights), 2),
             "frames": [[f, round(s, 2)] for f, s in inclusive(stacks, weights).most_common(top)],
             "calls": [[c, round(s, 2)] for c, s in calls_out(stacks, weights).most_common(top)],
-            "imports": [[m, round(s, 2)] for m, s in imports(stacks, weights).most_common(top)]}
+            "imports": [[m, round(s, 2)] for m, s in imports(stacks, weights).most_common(top)],
+            "first_step": [[f, round(s, 2)] for f, s in under(stacks, weights, FIRST_STEP).most_common(top)]}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -116,7 +130,9 @@ def table(result: dict[str, Any]) -> str:
                      + "\n\n| seconds | its call into other code (inclusive) |\n|---|---|\n"
                      + "\n".join(f"| {s:.2f} | `{c}` |" for c, s in record["calls"])
                      + "\n\n| seconds | module imported (inclusive) |\n|---|---|\n"
-                     + "\n".join(f"| {s:.2f} | `{m}` |" for m, s in record["imports"]))
+                     + "\n".join(f"| {s:.2f} | `{m}` |" for m, s in record["imports"])
+                     + f"\n\n| seconds | frame inside {FIRST_STEP} (inclusive) |\n|---|---|\n"
+                     + "\n".join(f"| {s:.2f} | `{f}` |" for f, s in record["first_step"]))
     return "\n\n".join(parts)
 
 

@@ -7,15 +7,17 @@ import os
 import sys
 from typing import NoReturn
 
-from pretrain.trainer import bytecode, cuda_context
+from pretrain.trainer import allocator, bytecode, cuda_context
 
 
 def main(argv: list[str] | None = None) -> int:
     """One rank of a job; returns its ExitCode (rundir). The trainer (torch and all) is imported only
-    once the run directory's bytecode cache is in place (pretrain.trainer.bytecode), while a thread
-    makes the GPU's CUDA context (pretrain.trainer.cuda_context)."""
+    once the run directory's bytecode cache is in place (pretrain.trainer.bytecode) and the allocator's
+    settings are in its environment (pretrain.trainer.allocator), while a thread makes the GPU's CUDA
+    context (pretrain.trainer.cuda_context)."""
     argv = sys.argv[1:] if argv is None else argv
     bytecode.keep_in_run_dir(argv)
+    allocator.configure(os.environ)
     cuda_context.start_in_background()
     from pretrain.trainer import loop
 

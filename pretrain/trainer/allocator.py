@@ -15,8 +15,9 @@ from collections.abc import MutableMapping
 from importlib import metadata
 
 SETTING = "expandable_segments:True"
-# Torch 2.8-2.11 warn that the old name is deprecated, yet 2.9.1 ignored expandable_segments under the
-# new one (pytorch#183387); from 2.12 the new name is the documented one and the old an alias.
+# Torch 2.8 began to warn that the old name is deprecated, yet 2.9.1 ignored expandable_segments under the
+# new one (pytorch#183387); 2.11 took it under either name, without a warning (seen on the GPU machine:
+# bench/results/alloc-names-f312e2f.txt); from 2.12 the new name is the documented one, the old an alias.
 NEW_NAME, OLD_NAME = "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"
 NEW_NAME_FROM = (2, 12)
 

@@ -42,7 +42,8 @@ for phase in "$@"; do
   echo "== $phase $(date +%T)"
   case $phase in
     gpu-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_components.py \
-                  tests/test_checkpoint_files.py tests/test_master_adamw.py tests/test_cuda_context.py > "$results/test_gpu.log" 2>&1
+                  tests/test_checkpoint_files.py tests/test_master_adamw.py tests/test_cuda_context.py \
+                  tests/test_allocator.py > "$results/test_gpu.log" 2>&1
                 tail -3 "$results/test_gpu.log" ;;
     master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank
                 python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py \

@@ -37,6 +37,14 @@ def test_without_a_version_given_the_installed_torchs_is_used():
     assert allocator.configure(environ) == allocator.variable_for(torch.__version__)
 
 
+def test_a_torch_without_package_metadata_gets_the_name_every_version_reads(monkeypatch):
+    def not_installed(name: str) -> str:
+        raise allocator.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(allocator.metadata, "version", not_installed)
+    environ: dict[str, str] = {}
+    assert allocator.configure(environ) == "PYTORCH_CUDA_ALLOC_CONF"
+
+
 PROBE = r"""
 import os
 from pretrain.trainer import allocator

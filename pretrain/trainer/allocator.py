@@ -32,6 +32,11 @@ def configure(environ: MutableMapping[str, str], torch_version: str | None = Non
     """Ask for expandable segments unless the user set the allocator's variable; returns the variable set."""
     if NEW_NAME in environ or OLD_NAME in environ:
         return None
-    name = variable_for(torch_version or metadata.version("torch"))
+    if torch_version is None:
+        try:
+            torch_version = metadata.version("torch")
+        except metadata.PackageNotFoundError:  # torch on a path without its metadata: the name every version reads
+            torch_version = "0.0"
+    name = variable_for(torch_version)
     environ[name] = SETTING
     return name

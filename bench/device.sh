@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
 #   bash bench/device.sh gpu-tests|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
-#                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|correctness-fp8
+#                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|fp8-ag-2gpu|fp8-ag-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
@@ -72,6 +72,11 @@ for phase in "$@"; do
     fp8-2gpu)   python3 bench/throughput.py 1b-2gpu --name 1b-2gpu-fp8 --out "$results" precision=fp8 2>&1 | tail -4 ;;
     fp8-8b)     python3 bench/throughput.py 8b-2gpu --name 8b-2gpu-mb2-fp8 --out "$results" train.micro_batch=2 \
                   precision=fp8 2>&1 | tail -4 ;;
+    fp8-ag-2gpu) # FSDP2's all-gathers in FP8 against fp8-2gpu's bf16 ones (run both in one call)
+                python3 bench/throughput.py 1b-2gpu --name "1b-2gpu-fp8-ag-$BENCH_COMMIT" --out "$results" precision=fp8 \
+                  precision.float8_all_gather=true 2>&1 | tail -4 ;;
+    fp8-ag-8b)  python3 bench/throughput.py 8b-2gpu --name "8b-2gpu-mb2-fp8-ag-$BENCH_COMMIT" --out "$results" \
+                  train.micro_batch=2 precision=fp8 precision.float8_all_gather=true 2>&1 | tail -4 ;;
     correctness-fp8) python3 bench/correctness.py --runs-of bf16 fp8 fp8-rowwise --name correctness-fp8 \
                   --out "$results" 2>&1 | tail -8 ;;
     hf-roundtrip|hf-roundtrip-2gpu)  # transformers and safetensors: the device image's

@@ -72,6 +72,12 @@ class PrecisionConfig:
     # FP8 matmuls in the blocks' linear layers (pretrain/float8.py): none, tensorwise or rowwise.
     # Needs bf16, torchao and an H100/H200-class GPU.
     float8: str = "none"
+    # tensorwise only, where FSDP2 shards the model (not one process): FSDP2 all-gathers the converted
+    # layers' weights in FP8, half of bf16's bytes, each cast from the fp32 shard with a scale that one
+    # all-reduce after each optimizer step computes for every layer (torchao's FP8 all-gather). Numbers
+    # as close to bf16 all-gathers as FP8 allows (the weight is rounded once, from fp32, not via bf16).
+    # Off by default until measured on GPUs (bench/NOTES.md).
+    float8_all_gather: bool = False
     # fp16 only: dynamic loss scaling.
     init_scale: float = 65536.0
     growth_interval: int = 1000

@@ -29,6 +29,8 @@ CASES = [
     (["precision.float8=blockwise"], "precision.float8='blockwise': unknown; choose one of none, tensorwise, rowwise"),
     (["precision=fp32", "precision.float8=tensorwise"], "precision.float8=tensorwise runs the other operations in bf16"),
     (["precision.float8=rowwise"], "but precision=auto; use precision=bf16 with it (or precision=fp8)"),
+    (["precision=fp8", "precision.float8=rowwise", "precision.float8_all_gather=true"],
+     "precision.float8_all_gather=true needs precision.float8=tensorwise"),
     (["+cluster=a100x8", "precision=fp8"], "which the GPUs of cluster a100x8 lack (cluster.gpu_fp8=false)"),
     (["precision.name=fp8"], "precision.name='fp8': unknown; choose one of auto, bf16, fp16, fp32"),
     (["precision=fp16"], "precision=fp16 needs a CUDA GPU"),

@@ -43,6 +43,33 @@ def test_fp8_run_computes_nearly_what_bf16_does_and_its_checkpoint_resumes_in_bf
     assert sorted(losses(fp8)) == list(range(1, 7))
 
 
+def test_fp8_all_gathers_train_as_fp8_does_resume_exactly_and_leave_checkpoints_plain(tmp_path):
+    """Two ranks under FSDP2: the weights travel in FP8, rounded once from fp32 instead of via bf16."""
+    two = (*RUN, "local.nproc=2", "train.global_batch=4", "precision=fp8")
+    gathered = (*two, "precision.float8_all_gather=true")
+    whole, bf16_gathers, resumed = tmp_path / "whole", tmp_path / "bf16-gathers", tmp_path / "resumed"
+    assert launch(*two, "train.steps=4", f"hydra.run.dir={bf16_gathers}").returncode == 0
+    first = launch(*gathered, "train.steps=4", f"hydra.run.dir={whole}")
+    assert first.returncode == 0, first.stderr
+    assert "tensorwise FP8 matmuls in 14 linear layers, their weights all-gathered in FP8" in first.stdout
+    got, expected = losses(whole), losses(bf16_gathers)
+    assert any(got[step] != expected[step] for step in range(1, 5))
+    assert all(got[step] == pytest.approx(expected[step], rel=1e-4) for step in range(1, 5))
+    # Stopped at step 2 and resumed: the same losses as the run that went through.
+    assert launch(*gathered, "train.steps=4", "train.stop_at_step=2", f"hydra.run.dir={resumed}").returncode == 0
+    again = launch(*gathered, "train.steps=4", f"hydra.run.dir={resumed}")
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout
+    assert losses(resumed) == got
+    # The checkpoint holds plain tensors (no class of torchao's, which a reader would need to import),
+    # so a run without FP8 goes on from it.
+    shards = list((whole / "checkpoints").glob("step_*/*.distcp"))
+    assert shards and not any(b"torchao" in shard.read_bytes() for shard in shards)
+    bf16 = launch(*two, "precision=bf16", "train.steps=6", f"hydra.run.dir={whole}")
+    assert bf16.returncode == 0, bf16.stderr
+    assert "resumed from" in bf16.stdout and sorted(losses(whole)) == list(range(1, 7))
+
+
 def test_only_block_layers_with_sizes_multiple_of_16_are_converted():
     model = nn.ModuleDict({"wq": nn.Linear(64, 64), "odd": nn.Linear(64, 24), "output": nn.Linear(64, 128)})
     assert float8.convert(model, "rowwise") == 1

@@ -120,6 +120,27 @@ def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_
     assert readers[0].counts.direct_bytes == sum(t.nbytes for t in tensors)
 
 
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 matrix units (compute capability 8.9+)")
+def test_fp8_all_gathers_train_compiled_as_fp8_with_bf16_all_gathers_does(tmp_path):
+    """FSDP2 all-gathering the FP8 layers' weights in FP8 (on one GPU as one FSDP2 rank, or two), compiled:
+    the losses of FP8 matmuls with bf16 all-gathers, within what rounding the weights once instead of
+    twice moves."""
+    pytest.importorskip("torchao.float8")
+    from tests.helpers import MINI_MODEL, launch, losses
+
+    ranks = min(torch.cuda.device_count(), 2)
+    common = (*MINI_MODEL, "precision=fp8", "fsdp.compile=true", "fsdp.wrap_single_rank=true", f"local.nproc={ranks}",
+              "train.steps=6", "train.log_every=1", "train.micro_batch=4", f"train.global_batch={4 * ranks}",
+              "train.eval_every=0")
+    curves = {}
+    for gathered in ("false", "true"):
+        result = launch(*common, f"precision.float8_all_gather={gathered}", f"hydra.run.dir={tmp_path / gathered}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[gathered] = [losses(tmp_path / gathered)[step] for step in range(1, 7)]
+    assert "their weights all-gathered in FP8" in result.stdout
+    assert curves["true"] == pytest.approx(curves["false"], rel=1e-2)
+
+
 @pytest.mark.parametrize("micro_batch", [4, 8])
 def test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does(tmp_path, micro_batch):
     """The unwrapped one-process path (master weights, a bf16 copy; two micro-batches accumulated by gradient

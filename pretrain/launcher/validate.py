@@ -155,6 +155,9 @@ def validate_precision(cfg: Config, has_cuda: bool) -> None:
 def validate_float8(cfg: Config) -> None:
     recipe = cfg.precision.float8
     _one_of("precision.float8", recipe, config.FLOAT8_RECIPES)
+    if cfg.precision.float8_all_gather and recipe != "tensorwise":
+        raise ConfigError(f"precision.float8_all_gather=true needs precision.float8=tensorwise (one scale per weight, "
+                          f"which FSDP2 can all-gather with it), not {recipe}; set precision.float8_all_gather=false")
     if recipe == "none":
         return
     if cfg.precision.name != "bf16":

@@ -8,11 +8,17 @@ Not converted: the output layer (its logits feed the loss directly: torchtitan a
 it in bf16 for accuracy too) and any layer whose sizes are not multiples of 16 (`_scaled_mm`
 needs them). The FP8 matrix units exist from compute capability 8.9 (H100, H200, L40S) on; an
 A100 has none.
+
+Where FSDP2 shards the model, `all_gather=True` makes torchao wrap each converted weight's shard in a
+tensor subclass that FSDP2 all-gathers in FP8 (`precompute_scales` after each optimizer step computes
+their scales in one all-reduce); `plain_tensors` unwraps them for checkpoints, which stay plain.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,18 +87,59 @@ def eligible(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert(model: nn.Module, recipe: str) -> int:
+def convert(model: nn.Module, recipe: str, all_gather: bool = False) -> int:
     """Swap the eligible nn.Linear layers for torchao's Float8Linear in place; returns how many.
 
-    Call `require` first: it says why FP8 cannot run here where this would fail obscurely.
+    `all_gather` (tensorwise only, before FSDP2 wraps the model): their weights become torchao's
+    subclass that FSDP2 all-gathers in FP8. Call `require` first: it says why FP8 cannot run here
+    where this would fail obscurely.
     """
     if recipe == "none":
         return 0
+    from dataclasses import replace
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if all_gather:
+        config = replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=eligible)
     return count(model)
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """The FP8 all-gathers' weight scales, for every layer at once: call whenever the weights changed.
+
+    Without it each weight's all-gather first all-reduces its own absolute maximum: one small
+    collective per layer and step instead of one in all."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def plain_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """A model's state dict with the FP8 all-gather weights as the plain tensors they wrap.
+
+    Saved as they are, those weights would pickle torchao's class into the checkpoint, which then
+    only a process that imports torchao could read (a bf16 run, an export). The wrapped tensor is
+    the weight's storage itself, so a load into the plain view loads the weight.
+    """
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")  # never imported: no such weights
+    wrapper = getattr(fsdp_utils, "WeightWithDynamicFloat8CastTensor", None)
+    if wrapper is None:
+        return state
+    return {key: _unwrapped(value, wrapper) for key, value in state.items()}
+
+
+def _unwrapped(value: Any, wrapper: type) -> Any:
+    from torch.distributed.tensor import DTensor  # here: the launcher's device probe imports this module
+
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, wrapper):
+        return DTensor.from_local(value._local_tensor._tensor, value.device_mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
+    if isinstance(value, wrapper):
+        return value._tensor
+    return value
 
 
 def count(model: nn.Module) -> int:

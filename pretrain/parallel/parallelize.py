@@ -158,25 +158,30 @@ class Parallelized:
     model: nn.Module
     weights: nn.Module
     master: MasterWeights | None = None
+    float8_all_gather: bool = False
 
     def weights_changed(self) -> None:
         """Call after the weights were loaded, or an optimizer that leaves the compute copy alone stepped
-        (pretrain.trainer.optim.refreshes_copy): the compute copy follows."""
+        (pretrain.trainer.optim.refreshes_copy): the compute copy, or the FP8 all-gathers' scales, follow."""
         if self.master is not None:
             self.master.refresh()
+        if self.float8_all_gather:
+            float8.precompute_scales(self.model)
 
 
 def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype: torch.dtype,
-                float8_recipe: str = "none") -> Parallelized:
+                float8_recipe: str = "none", float8_all_gather: bool = False) -> Parallelized:
     """In this order: FP8 layers replace nn.Linear before anything wraps them; activation
     checkpointing wraps blocks before compile traces them; FSDP2 shards what compile produced.
-    Unwrapped (one process) in a precision below the weights', all of that applies to the compute copy."""
+    Unwrapped (one process) in a precision below the weights', all of that applies to the compute copy,
+    and there is no all-gather to make FP8 (`float8_all_gather` applies only where FSDP2 wraps)."""
     weights, master = model, None
     one_process = unwrapped(cfg, mesh.size())
     if one_process and param_dtype != next(model.parameters()).dtype:
         master = MasterWeights(model, param_dtype)
         model = master.compute
-    float8.convert(model, float8_recipe)
+    float8_all_gather = float8_all_gather and not one_process and float8_recipe != "none"
+    float8.convert(model, float8_recipe, all_gather=float8_all_gather)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
@@ -184,4 +189,4 @@ def parallelize(model: nn.Module, cfg: FSDPConfig, mesh: DeviceMesh, param_dtype
         master.track_gradients()
     elif not one_process:
         apply_fsdp(model, mesh, cfg.strategy, param_dtype)
-    return Parallelized(model, weights, master)
+    return Parallelized(model, weights, master, float8_all_gather)

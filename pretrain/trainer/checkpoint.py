@@ -52,6 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pretrain.config import ModelConfig
+from pretrain.parallel.float8 import plain_tensors
 from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
                              step_dir_name, step_of)
 from pretrain.trainer import resilience
@@ -308,7 +309,7 @@ class Checkpointer:
         memory takes seconds; done here it overlaps training instead of blocking the first save.
         """
         if self.async_save and self._prepared is None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = _state_dicts(model, optimizer)
             self._prepared = self._writer.submit(self._staging.allocate, {MODEL_STATE: model_sd, "optim": optim_sd})
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
@@ -331,7 +332,7 @@ class Checkpointer:
 
         _on_rank_0(make_folder, f"cannot create {partial}")  # also the barrier before the shards
         barrier_done = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
         self.phases = {"barrier": barrier_done - started, "state dict": time.perf_counter() - barrier_done}
         torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
@@ -421,7 +422,7 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; returns the saved training state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
         reader = ParallelReader(path, threads=writer_threads())
         dcp.load(state, storage_reader=reader)
@@ -433,6 +434,12 @@ class Checkpointer:
         if rng_file.is_file():  # absent when resuming with more processes than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return read_manifest(path)["train_state"]
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a checkpoint holds of the model and the optimizer: plain tensors, never a class of torchao's."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return plain_tensors(model_sd), optim_sd
 
 
 @contextmanager

@@ -85,7 +85,7 @@ def build_model(cfg: Config, device: torch.device, mesh) -> Parallelized:
     if whole:
         model.init_weights()
     parallel = parallelize(model, cfg.fsdp, mesh, precision.compute_dtype(cfg.precision.name, device),
-                           cfg.precision.float8)
+                           cfg.precision.float8, cfg.precision.float8_all_gather)
     if not whole:
         model.to_empty(device=device)
         model.init_weights()
@@ -250,6 +250,8 @@ class Trainer:
         train = self.cfg.train
         fp8 = (f" with {self.cfg.precision.float8} FP8 matmuls in {float8.count(self.model)} linear layers"
                if self.cfg.precision.float8 != "none" else "")
+        if self.parallel.float8_all_gather:
+            fp8 += ", their weights all-gathered in FP8"
         log.info("training %s: %s parameters, world size %d, global batch %d = %d micro-batch%s of %d per rank, "
                  "precision %s%s, fsdp %s, activation checkpointing %s", self.cfg.model.name,
                  f"{flops.parameter_count(self.cfg.model):,}", self.env.world_size, self.global_batch, self.accum,

@@ -49,6 +49,7 @@ fsdp:
 precision:
   name: auto
   float8: none
+  float8_all_gather: false
   init_scale: 65536.0
   growth_interval: 1000
 data:

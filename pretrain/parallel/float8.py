@@ -132,13 +132,12 @@ def plain_tensors(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unwrapped(value: Any, wrapper: type) -> Any:
+    """The DTensor over the plain tensor a weight's FSDP2 shard wraps (only FSDP2's weights are wrapped)."""
     from torch.distributed.tensor import DTensor  # here: the launcher's device probe imports this module
 
     if isinstance(value, DTensor) and isinstance(value._local_tensor, wrapper):
         return DTensor.from_local(value._local_tensor._tensor, value.device_mesh, value.placements,
                                   run_check=False, shape=value.shape, stride=value.stride())
-    if isinstance(value, wrapper):
-        return value._tensor
     return value
 
 

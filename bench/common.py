@@ -21,16 +21,17 @@ RESULTS = REPO / "bench" / "results"
 
 
 def launch(overrides: list[str], run_dir: Path, timeout_s: float, log_path: Path, repo: Path = REPO,
-           wrapper: tuple[str, ...] = ()) -> dict[str, Any]:
+           wrapper: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `python -m pretrain.launch OVERRIDES hydra.run.dir=RUN_DIR` in the package tree REPO
     (this one unless comparing with another checkout), under WRAPPER (a profiler's command line) if
-    given; returns exit code, time and command."""
+    given, with ENV added to this process's environment; returns exit code, time and command."""
     command = [*wrapper, sys.executable, "-m", "pretrain.launch", *overrides, f"hydra.run.dir={run_dir}"]
     started = time.time()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         try:
-            code = subprocess.run(command, cwd=repo, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            code = subprocess.run(command, cwd=repo, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env={**os.environ, **(env or {})}).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     return {"exit_code": code, "wall_s": round(time.time() - started, 1), "command": reproduce(overrides)}

@@ -5,7 +5,7 @@
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
-#                        |cuda-start|context-tests
+#                        |cuda-start|context-tests|requeue-env[-N]
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -109,6 +109,9 @@ for phase in "$@"; do
     requeue-ab*)  # requeued starts of the .ab side and this tree, interleaved, from one cold job; REQUEUE_ARGS, e.g. --pairs 8
                 ab_tree && python3 bench/requeue_ab.py --base /tmp/ab --name "requeue-ab-1b-1gpu-$BENCH_COMMIT${phase#requeue-ab}" \
                   --out "$results" ${REQUEUE_ARGS:-} 2>&1 | tail -8 ;;
+    requeue-env*)  # requeued starts of this tree, B with REQUEUE_ENV_B (KEY=VALUE ...), one traced job per side
+                python3 bench/requeue_ab.py --base . --env-b ${REQUEUE_ENV_B:-} --trace /tmp/trace \
+                  --name "requeue-env-1b-1gpu-$BENCH_COMMIT${phase#requeue-env}" --out "$results" ${REQUEUE_ARGS:-} 2>&1 | tail -60 ;;
     compile-site)  # give the image's packages the bytecode it lacks, as an image built with it has
                 python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
                   > /dev/null 2>&1; echo "compileall exit $?" ;;

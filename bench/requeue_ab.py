@@ -3,6 +3,7 @@
     git worktree add /tmp/base HEAD~1
     python bench/requeue_ab.py --base /tmp/base --pairs 8 --name requeue-ab-X
     python bench/requeue_ab.py --base /tmp/base --name requeue-ab-cpu precision=fp32 model.dim=64 ...
+    python bench/requeue_ab.py --env-b TORCH_WARM_POOL=0 --trace /tmp/trace --name requeue-ab-env
 
 bench/restart.py measures cold against requeued starts, a pair at a time; a change that saves a few tenths
 of a second in a requeued start drowns there in the spread of cold starts. This runs one cold job (this
@@ -10,7 +11,10 @@ tree), which stops with a checkpoint and a compile cache, then the requeued job 
 that same checkpoint, alternately from the --base tree (A) and from this one (B), the order swapped each
 round. Each requeued job trains one step and writes no checkpoint, so every one resumes from the same
 state. The figures are the jobs' own start-up records (metrics.jsonl, `startup_s` and its phases):
-medians per tree. Writes NAME.json and NAME.md under --out.
+medians per tree. Without --base both sides are this tree, told apart by --env-a/--env-b (variables
+that side's jobs get). --trace DIR runs one more requeued job per side, not counted in the medians, with
+torch's structured trace (TORCH_TRACE=DIR/A, DIR/B), and tables where its compilation's time went
+(bench/compile_trace.py). Writes NAME.json and NAME.md under --out.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import compile_trace  # noqa: E402
 from restart import BASE, startups  # noqa: E402
 
 STOP_AT = 3  # the cold job's steps: warm-up enough for the checkpoint to be a mid-run one
@@ -48,9 +53,10 @@ def startup(run_dir: Path) -> dict[str, Any]:
     return records[-1] if records else {}
 
 
-def job(args: argparse.Namespace, tree: str, repo: Path, overrides: list[str], index: int) -> dict[str, Any]:
+def job(args: argparse.Namespace, tree: str, repo: Path, overrides: list[str], index: int | str,
+        env: dict[str, str] | None = None) -> dict[str, Any]:
     log = args.out / f"{args.name}-{index}-{tree}.log"
-    ran = common.launch([*BASE, *overrides, *args.overrides], args.run_dir, args.timeout, log, repo.resolve())
+    ran = common.launch([*BASE, *overrides, *args.overrides], args.run_dir, args.timeout, log, repo.resolve(), env=env)
     record = startup(args.run_dir) if ran["exit_code"] == 0 else {}
     print(f"{index} {tree}: exit {ran['exit_code']}, start-up {record.get('startup_s')} s {record.get('startup', {})}",
           flush=True)
@@ -71,7 +77,8 @@ def table(result: dict[str, Any]) -> str:
     phases = list(dict.fromkeys([*a.get("phases", {}), *b.get("phases", {})]))
     lines = ["| tree | requeued jobs | start-up (s) | " + " | ".join(phases) + " |",
              "|---|---|---|" + "---|" * len(phases)]
-    for tree, m, source in (("A", a, result["base_commit"]), ("B", b, result["this_commit"])):
+    for tree, m, source in (("A", a, result["base_commit"] + env_note(result["env"]["A"])),
+                            ("B", b, result["this_commit"] + env_note(result["env"]["B"]))):
         if m:
             lines.append(f"| {tree} ({source}) | {m['jobs']} | {m['startup_s']:.2f} | "
                          + " | ".join(f"{m['phases'].get(p, 0):.2f}" for p in phases) + " |")
@@ -80,10 +87,36 @@ def table(result: dict[str, Any]) -> str:
             f"{cold if cold is not None else '-'} s\n\n" + "\n".join(lines) + f"\n\ncommand: `{result['command']}`")
 
 
+def env_note(env: dict[str, str]) -> str:
+    return "".join(f", {key}={value}" for key, value in env.items())
+
+
+def variables(pairs: list[str]) -> dict[str, str]:
+    """KEY=VALUE arguments as a dict."""
+    if any("=" not in pair for pair in pairs):
+        raise SystemExit(f"--env-a/--env-b take KEY=VALUE, not {pairs}")
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def traced(args: argparse.Namespace, sides: dict[str, tuple[Path, dict[str, str]]]) -> dict[str, Any]:
+    """One more requeued job per side under torch's structured trace; where its compilation's time went."""
+    found = {}
+    for tree, (repo, env) in sides.items():
+        folder = args.trace / tree
+        shutil.rmtree(folder, ignore_errors=True)
+        ran = job(args, tree, repo, [f"train.steps={STOP_AT + 1}"], "traced", {**env, "TORCH_TRACE": str(folder)})
+        found[tree] = {"startup_s": ran["startup_s"], "events": compile_trace.summarize(folder)}
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="extra launcher overrides")
-    parser.add_argument("--base", type=Path, required=True, help="the package tree A (a git worktree of the commit before)")
+    parser.add_argument("--base", type=Path, default=common.REPO,
+                        help="the package tree A (a git worktree of the commit before; default: this tree)")
+    parser.add_argument("--env-a", nargs="*", default=[], metavar="KEY=VALUE", help="environment of A's jobs")
+    parser.add_argument("--env-b", nargs="*", default=[], metavar="KEY=VALUE", help="environment of B's jobs")
+    parser.add_argument("--trace", type=Path, help="one traced requeued job per side, its TORCH_TRACE under this folder")
     parser.add_argument("--pairs", type=int, default=6, help="rounds of one requeued job from each tree")
     parser.add_argument("--name", default="requeue-ab")
     parser.add_argument("--out", type=Path, default=common.RESULTS)
@@ -91,19 +124,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_intermixed_args(argv)
 
+    sides = {"A": (args.base, variables(args.env_a)), "B": (common.REPO, variables(args.env_b))}
     shutil.rmtree(args.run_dir, ignore_errors=True)
-    cold = job(args, "cold", common.REPO, [f"train.steps={STOP_AT + 3}", f"train.stop_at_step={STOP_AT}"], 0)
-    jobs = []
+    cold = job(args, "cold", common.REPO, [f"train.steps={STOP_AT + 3}", f"train.stop_at_step={STOP_AT}"], 0,
+               sides["B"][1])
+    jobs, trace = [], {}
     if cold["startup_s"] is not None:
         for index in range(1, args.pairs + 1):
-            order = (("A", args.base), ("B", common.REPO))
-            for tree, repo in (order if index % 2 else order[::-1]):
-                jobs.append(job(args, tree, repo, [f"train.steps={STOP_AT + 1}"], index))
+            order = ("A", "B") if index % 2 else ("B", "A")
+            for tree in order:
+                repo, env = sides[tree]
+                jobs.append(job(args, tree, repo, [f"train.steps={STOP_AT + 1}"], index, env))
+        if args.trace:
+            trace = traced(args, sides)
     shutil.rmtree(args.run_dir, ignore_errors=True)
     result = {"name": args.name, **common.stamp(), "base": str(args.base), "base_commit": tree_commit(args.base),
-              "this_commit": tree_commit(common.REPO), "command": cold["command"], "cold": cold, "jobs": jobs, "median": {tree: medians(jobs, tree) for tree in ("A", "B")}}
-    common.write_result(args.out, args.name, result, table(result))
-    print(table(result))
+              "this_commit": tree_commit(common.REPO), "env": {tree: env for tree, (_, env) in sides.items()},
+              "command": cold["command"], "cold": cold, "jobs": jobs,
+              "median": {tree: medians(jobs, tree) for tree in ("A", "B")}, "trace": trace}
+    text = table(result) + "".join(f"\n\n## {tree}: a traced requeued job (start-up {found['startup_s']} s)\n\n"
+                                   + compile_trace.table(found["events"]) for tree, found in trace.items())
+    common.write_result(args.out, args.name, result, text)
+    print(text)
     return 0 if result["median"]["A"] and result["median"]["B"] else 1
 
 

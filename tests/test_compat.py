@@ -92,7 +92,7 @@ def test_tritons_install_is_hashed_by_a_background_thread_once_compiling_has_imp
         "from pretrain.parallel import compat\n"
         "key = compat._tritons_cached_key()\n"
         "before = key.cache_info().currsize\n"
-        "compat.prefetch_compile_keys()\n"
+        "compat.prefetch_triton_key()\n"
         "deadline = time.monotonic() + 120\n"
         "while key.cache_info().currsize == 0 and time.monotonic() < deadline:\n"
         "    time.sleep(0.05)\n"
@@ -103,30 +103,3 @@ def test_tritons_install_is_hashed_by_a_background_thread_once_compiling_has_imp
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["0", "1", "1"]  # not there before, then hashed once, by the prefetch alone
-
-
-def test_torchs_sources_are_hashed_by_a_background_thread_once_compiling_has_imported_them():
-    """Inductor's cache key hashes torch's own sources (some 2,000 files): a requeued job's first step paid
-    that too; after the prefetch, the first step's own call finds the hash made, by another thread, once."""
-    code = (
-        "import threading, time\n"
-        "from torch._inductor import codecache  # imported by compiling\n"
-        "from pretrain.parallel import compat\n"
-        "hashed_by = []\n"
-        "original = codecache.build_code_hash\n"
-        "def recorded(roots, prefix, hasher):\n"
-        "    original(roots, prefix, hasher)\n"
-        "    if prefix == '':  # the top of torch's tree, not a subpackage\n"
-        "        hashed_by.append(threading.current_thread() is threading.main_thread())\n"
-        "codecache.build_code_hash = recorded\n"
-        "compat.prefetch_compile_keys()\n"
-        "deadline = time.monotonic() + 120\n"
-        "while not hashed_by and time.monotonic() < deadline:\n"
-        "    time.sleep(0.05)\n"
-        "time.sleep(0.2)  # the thread stores the key after the hash\n"
-        "codecache.torch_key()  # what Inductor asks, at the first compiled call\n"
-        "print(hashed_by)\n"
-    )
-    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split() == ["[False]"]  # hashed once, not by the main thread

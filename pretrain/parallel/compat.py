@@ -11,10 +11,9 @@ each piece with a test (tests/test_compat.py) that fails loudly when a torch rel
 - Which rows of a parameter a rank holds (model.init_from reads only those): DTensor has no public
   way to say where its local shard lies in the whole; `compute_local_shape_and_global_offset` is what
   DCP uses for it.
-- Inductor's cache key (prefetch_compile_keys): newer torch can compute its hashes of Triton's install
-  and of its own sources ahead (`codecache.triton_key.prefetch`, `torch_key.prefetch`, in 2.13); older
-  torch (2.7) caches them with lru_cache (Triton's own function, for Triton's), which a thread of ours
-  then fills.
+- Inductor's cache key (prefetch_triton_key): newer torch can compute its hash of Triton's install
+  ahead (`codecache.triton_key.prefetch`, in 2.13); older torch (2.7) calls Triton's own cached
+  function, which a thread of ours then fills.
 """
 
 from __future__ import annotations
@@ -93,41 +92,25 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, range]:
     return tensor.to_local(), range(offset[0], offset[0] + shape[0])
 
 
-def prefetch_compile_keys() -> None:
-    """Start hashing the installed software that Inductor's cache key holds, in background threads:
-    Triton's install (the SHA-256 of libtriton, about 500 MB, and of Triton's sources) and torch's own
-    Python sources (some 2,000 files).
+def prefetch_triton_key() -> None:
+    """Start hashing Triton's install, part of Inductor's cache key, in a background thread.
 
-    Every process that runs compiled code computes both once, at its first compiled call: 0.3 s and
-    0.1 s on the 2-core CPU machine, longer on a node whose page cache does not yet hold the container's
-    copy. A requeued job, whose graphs all come from the compile cache, paid them inside its first step.
-    File reads and hashing release the interpreter lock, so a thread started once compiling is imported
-    runs them beside the rest of the start-up (the checkpoint's read, the GPU's work). Without Triton
-    (torch's CPU build alone) only torch's hash is made.
+    Every process that runs compiled code computes that hash once, at its first compiled call: the
+    SHA-256 of libtriton (about 500 MB) and of Triton's sources, 0.3 s on the 2-core CPU machine and
+    longer on a node whose page cache does not yet hold the container's copy. A requeued job, whose
+    graphs all come from the compile cache, pays it inside its first step. Hashing and file reads
+    release the interpreter lock, so in a thread started once Triton is imported it costs the main
+    thread nothing. No Triton (torch's CPU build alone): nothing to do.
     """
     from torch._inductor import codecache
 
-    for key in (getattr(codecache, "torch_key", None), _triton_key(codecache)):
-        _prefetch(key)
-
-
-def _triton_key(codecache: Any) -> Callable[[], Any] | None:
-    """The Triton hash Inductor asks for: torch's own prefetchable one (2.13), else Triton's cached
-    function, which older torch (2.7) calls."""
-    key = getattr(codecache, "triton_key", None)
-    return key if hasattr(key, "prefetch") else _tritons_cached_key()
-
-
-def _prefetch(key: Callable[[], Any] | None) -> None:
-    """torch's prefetchable cache starts its own thread (a first call before it is done waits for it
-    instead of hashing again); an lru_cache is filled by a thread of ours."""
-    if key is None:
-        return
-    prefetch = getattr(key, "prefetch", None)
+    prefetch = getattr(getattr(codecache, "triton_key", None), "prefetch", None)
     if prefetch is not None:
-        prefetch()
-    elif hasattr(key, "cache_info"):
-        threading.Thread(target=key, name="compile-key", daemon=True).start()
+        prefetch()  # torch's own: a first call before it is done waits for it instead of hashing again
+        return
+    key = _tritons_cached_key()
+    if key is not None:
+        threading.Thread(target=key, name="triton-key", daemon=True).start()
 
 
 def _tritons_cached_key() -> Callable[[], str] | None:

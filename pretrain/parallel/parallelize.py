@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pretrain.config import ConfigError, FSDPConfig, mesh_shape, unwrapped
 from pretrain.parallel import float8
-from pretrain.parallel.compat import prefetch_compile_keys, reduce_gloo_gradients_by_sum
+from pretrain.parallel.compat import prefetch_triton_key, reduce_gloo_gradients_by_sum
 from pretrain.parallel.master_weights import MasterWeights
 
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -89,11 +89,11 @@ def apply_compile(model: nn.Module) -> None:
     """Compile each block in place (`Module.compile`: names and state-dict keys stay as they are), as
     one graph (fullgraph=True: a block that would break into pieces fails at its first step instead
     of running slowly). Blocks separately: FSDP2's hooks stay between blocks, and blocks share one
-    compiled graph. Inductor's cache key hashes Triton's install and torch's sources: those hashes start
-    now, beside the rest of the start-up, not inside the first step."""
+    compiled graph. Compiling imports Triton, whose install Inductor hashes for its cache key: that
+    hash starts now, beside the rest of the start-up, not inside the first step."""
     for block in model.layers:
         block.compile(fullgraph=True)
-    prefetch_compile_keys()
+    prefetch_triton_key()
 
 
 def persist_compile_cache(folder: Path) -> Path:

@@ -67,14 +67,15 @@ def regions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summarize(folder: Path, min_ms: float = MIN_MS) -> dict[str, Any]:
     """The regions of the folder's busiest log (at least min_ms long) and every region name's total."""
-    logs = sorted(folder.glob("*.log"), key=lambda log: len(chromium_events(log)), reverse=True)
-    if not logs:
+    parsed = {log: chromium_events(log) for log in folder.glob("*.log")}
+    if not parsed:
         return {"log": None, "regions": [], "totals_s": {}}
-    found = regions(chromium_events(logs[0]))
+    busiest = max(parsed, key=lambda log: len(parsed[log]))
+    found = regions(parsed[busiest])
     totals: dict[str, float] = defaultdict(float)
     for region in found:
         totals[region["name"]] += region["dur_s"]
-    return {"log": logs[0].name, "regions": [r for r in found if r["dur_s"] * 1e3 >= min_ms],
+    return {"log": busiest.name, "regions": [r for r in found if r["dur_s"] * 1e3 >= min_ms],
             "totals_s": dict(sorted(totals.items(), key=lambda item: -item[1]))}
 
 

@@ -219,3 +219,60 @@ def check_gradients_in_copy(device: torch.device) -> None:
             torch.testing.assert_close(reading_copy.state[a][key], reading_master.state[b][key], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
         assert_rounded(copies[a].detach(), a.detach())
+
+
+@pytest.mark.parametrize("in_copy", [True, False])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_new_optimizer_loads_the_moments_and_step_counts_a_checkpoint_holds(device, in_copy):
+    """A resumed job loads a checkpoint into an optimizer that has not stepped. torch's get_state_dict makes
+    such an optimizer's state with a step on zero gradients that it puts on the masters; MasterAdamW reading
+    the copy's gradients took none, made no state, and the load read the weights alone: every resume of a
+    one-GPU bf16 run with one micro-batch a step started its moments from zero (found 2026-12-06)."""
+    run_check(f"check_resume_{'in_copy' if in_copy else 'from_masters'}", device)
+
+
+def check_resume_in_copy(device: torch.device) -> None:
+    check_resume(device, in_copy=True)
+
+
+def check_resume_from_masters(device: torch.device) -> None:
+    check_resume(device, in_copy=False)
+
+
+def check_resume(device: torch.device, in_copy: bool) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pretrain.config import ModelConfig
+    from pretrain.trainer.checkpoint import Checkpointer
+    from tests import helpers
+
+    def built(seed: int) -> tuple[nn.Module, MasterWeights, MasterAdamW]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).to(device)
+        master = MasterWeights(model, torch.bfloat16)
+        master.track_gradients()
+        if in_copy:
+            master.keep_gradients_in_copy()
+        return model, master, MasterAdamW(groups_of(model), master.copies(), lr=LR, betas=BETAS, eps=EPS,
+                                          gradients_in_copy=in_copy)
+
+    def groups_of(model: nn.Module) -> list[dict]:
+        params = list(model.parameters())
+        return [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+
+    model, master, optimizer = built(0)
+    for _ in range(2):
+        master.compute(torch.randn(4, 8, dtype=torch.bfloat16, device=device)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with helpers.one_process_group(), tempfile.TemporaryDirectory() as folder:
+        path = Checkpointer(Path(folder), keep=1).save(2, model, optimizer, {"step": 2}, ModelConfig(), "hash")
+        resumed, resumed_master, fresh = built(1)
+        Checkpointer(Path(folder), keep=1).load(path, resumed, fresh)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+        assert fresh.state[q].keys() == optimizer.state[p].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(fresh.state[q][key], value), key
+        assert fresh.state[q]["step"].item() == 2

@@ -51,6 +51,13 @@ class MasterAdamW(torch.optim.AdamW):
         self.copies = copies
         self.gradients_in_copy = gradients_in_copy
         self.clip_coef: torch.Tensor | None = None
+        # The state exists from the start, not from the first step: a resumed job loads a checkpoint into an
+        # optimizer that has not stepped, and torch's get_state_dict makes such an optimizer's state by a step
+        # on zero gradients it puts on the masters, which this one ignores when it reads the copies'. Without
+        # state the load would read the weights alone and the moments would start again from zero.
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_of(p)
 
     def gradient(self, p: nn.Parameter) -> torch.Tensor | None:
         """The gradient the next step reads for master parameter `p`."""
@@ -90,7 +97,7 @@ class MasterAdamW(torch.optim.AdamW):
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
 
     def _state_of(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
-        """AdamW's state of `p` (fused: the step count on the device), made at its first step."""
+        """AdamW's state of `p` (fused: the step count on the device), made when it is first asked for."""
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)

@@ -137,3 +137,19 @@ def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_whe
     assert ahead.problems_of(older) is None and checkpoint.verify(older, ahead) == []
     assert checking_threads[1] is threading.main_thread()
     assert checkpoint.VerifyAhead(tmp_path / "none", rank=0, world_size=1).path is None
+
+
+def test_a_load_that_would_leave_saved_entries_unread_is_refused(tmp_path, one_process_group):
+    """An optimizer without state asks DCP for no moments, and DCP loads the weights alone without a word
+    (torch's get_state_dict makes the state by a step on zero gradients, except where gradients are already
+    there, or where the optimizer ignores them, as MasterAdamW reading its copies' did): the load is refused."""
+    model, optimizer = model_and_optimizer()
+    path = Checkpointer(tmp_path, keep=2).save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")
+    fresh_model, fresh = model_and_optimizer()
+    fresh.state.clear()
+    with pytest.raises(checkpoint.CheckpointError, match=r"entries that this job's model and optimizer do not take "
+                                                          r"\(optim\.state\..*exp_avg"):
+        Checkpointer(tmp_path, keep=2).load(path, fresh_model, fresh)
+    with_state_model, with_state = model_and_optimizer()
+    Checkpointer(tmp_path, keep=2).load(path, with_state_model, with_state)  # the same load with state: accepted
+    assert all(torch.equal(a, b) for a, b in zip(with_state_model.parameters(), model.parameters()))

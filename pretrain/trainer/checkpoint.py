@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pretrain.config import ModelConfig
 from pretrain.parallel.float8 import plain_tensors
-from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, complete_checkpoints, model_shape, read_manifest,
-                             step_dir_name, step_of)
+from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, CheckpointError, complete_checkpoints, model_shape,
+                             read_manifest, step_dir_name, step_of)
 from pretrain.trainer import resilience
 from pretrain.trainer.distributed import all_agree, collective_failed
 from pretrain.trainer.shard_reader import ParallelReader
@@ -426,6 +426,14 @@ class Checkpointer:
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
         reader = ParallelReader(path, threads=writer_threads())
         dcp.load(state, storage_reader=reader)
+        unloaded = reader.not_requested()
+        if unloaded:
+            raise CheckpointError(
+                f"{path} holds {len(unloaded)} entries that this job's model and optimizer do not take "
+                f"({', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}): resuming without them would not "
+                "continue the run as it was (an optimizer that loads no moments starts them again from zero). "
+                "The checkpoint is unchanged; this is a fault of pretrain's state, not of the files: report it "
+                "with this message")
         counts = reader.counts  # the load's time is logged by its caller, with the step it resumed
         log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name,
                  counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)

@@ -58,13 +58,26 @@ class ParallelReader(dcp.FileSystemReader):
         self.threads = threads
         self.counts = ReadCounts()
         self._dtypes: dict[str, torch.dtype] = {}
+        self._saved: set[str] = set()
+        self._requested: set[str] | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._saved = set(metadata.state_dict_metadata)
         self._dtypes = {fqn: md.properties.dtype for fqn, md in metadata.state_dict_metadata.items()
                         if isinstance(md, TensorStorageMetadata)}
 
+    def not_requested(self) -> list[str]:
+        """The checkpoint's entries that the state loaded into did not ask for (DCP ignores them), after a load.
+
+        DCP refuses a state that asks for what a checkpoint lacks, but says nothing of the reverse: an optimizer
+        without state, for one, loads the weights alone, and the run goes on from fresh moments. Empty where the
+        planner's flattened state is unknown (DCP's default planner keeps it as `state_dict`)."""
+        return [] if self._requested is None else sorted(self._saved - self._requested)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        requested = getattr(planner, "state_dict", None)
+        self._requested = set(requested) if isinstance(requested, dict) else None
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)

@@ -45,9 +45,10 @@ for phase in "$@"; do
                   tests/test_checkpoint_files.py tests/test_master_adamw.py tests/test_cuda_context.py \
                   tests/test_allocator.py > "$results/test_gpu.log" 2>&1
                 tail -3 "$results/test_gpu.log" ;;
-    master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank
+    master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank, and resumed
                 python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py \
                   "tests/test_gpu.py::test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does" \
+                  "tests/test_gpu.py::test_one_gpu_resumes_its_optimizer_state" \
                   > "$results/test_master-$BENCH_COMMIT.log" 2>&1
                 tail -3 "$results/test_master-$BENCH_COMMIT.log" ;;
     context-tests)  # the CUDA context made in a thread during the job's imports, on the GPU torch then drives

@@ -119,6 +119,20 @@ def launch_plain_and_wrapped(root: Path, *overrides: str) -> dict[str, subproces
     return results
 
 
+def optimizer_step_counts(checkpoint: Path) -> set[float]:
+    """The step counts AdamW's state holds in a checkpoint folder, one value per parameter's count (DCP's
+    files read with DCP's own converter, in this process)."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(checkpoint, Path(folder) / "state.pt")
+        state = torch.load(Path(folder) / "state.pt", weights_only=False)
+    return {float(entry["step"]) for entry in state["optim"]["state"].values()}
+
+
 def assert_same_losses(got: dict[int, float], expected: dict[int, float], steps) -> None:
     """A resumed (or asynchronously checkpointed) run reproduces the uninterrupted one, step by step.
 

@@ -174,3 +174,21 @@ def test_pinned_buffers_reserved_at_the_start_are_the_ones_a_load_reads_through(
     buffers = [torch.empty(shard_reader.CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
     assert all(b.is_pinned() for b in buffers)
     assert torch.cuda.host_memory_stats()["num_host_alloc"] == pinned
+
+
+@pytest.mark.parametrize("micro_batch", [4, 8])
+def test_one_gpu_resumes_its_optimizer_state(tmp_path, micro_batch):
+    """A one-GPU bf16 run stopped and resumed (master weights; with one micro-batch a step MasterAdamW reads the
+    bf16 copy's gradients): its last checkpoint counts every step in the optimizer's state. From 3166f26 to
+    0ac435d the resumed job loaded the weights alone and its optimizer counted from zero again."""
+    from tests.helpers import MINI_MODEL, launch, optimizer_step_counts
+
+    run = (*MINI_MODEL, "precision=bf16", "train.steps=8", "train.log_every=1", "train.ckpt_every=4",
+           f"train.micro_batch={micro_batch}", "train.global_batch=8", "train.eval_every=0",
+           f"hydra.run.dir={tmp_path}")
+    first = launch(*run, "train.stop_at_step=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = launch(*run)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "fp32 master weights" in second.stdout
+    assert optimizer_step_counts(tmp_path / "checkpoints" / "step_00000008") == {8.0}

@@ -20,6 +20,7 @@ torch's structured trace (TORCH_TRACE=DIR/A, DIR/B), and tables where its compil
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,11 @@ STOP_AT = 3  # the cold job's steps: warm-up enough for the checkpoint to be a m
 
 def tree_commit(tree: Path) -> str:
     """The commit a tree is at (a worktree of it), with a + where its files differ from it; outside git (a
-    copy on the device machine) its path."""
+    copy on the device machine) its path. This repository's own tree with BENCH_COMMIT set is that commit:
+    the device machine's copy carries a stale git history (bench/device.sh says why)."""
+    if os.environ.get("BENCH_COMMIT") and tree.resolve() == common.REPO.resolve():
+        return os.environ["BENCH_COMMIT"]
+
     def git(*command: str) -> str:
         return subprocess.run(["git", "-C", str(tree), *command], capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "--short", "HEAD")

@@ -5,7 +5,7 @@
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
-#                        |cuda-start|context-tests|requeue-env[-N]
+#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -96,6 +96,11 @@ for phase in "$@"; do
     cdt-bf16)   # Inductor's coordinate-descent tuning of its Triton kernels' launch settings (attempt 27)
                 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 python3 bench/throughput.py 1b-1gpu \
                   --name "ours-1b-1gpu-bf16-cdt-$BENCH_COMMIT" --out "$results" 2>&1 | tail -4 ;;
+    autotune-bf16*)  # Inductor's GEMM autotuning: per shape, Triton's templates against cuBLAS, and the pointwise
+                # work around a matmul (SwiGLU's product, a norm's scale, a residual add) fused into the template
+                # where that measures faster; not tried yet. Run between head-bf16-1 and head-bf16-2
+                TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 python3 bench/throughput.py 1b-1gpu \
+                  --name "ours-1b-1gpu-bf16-autotune-$BENCH_COMMIT${phase#autotune-bf16}" --out "$results" 2>&1 | tail -4 ;;
     head-bf16*) python3 bench/throughput.py 1b-1gpu --name "ours-1b-1gpu-bf16-$BENCH_COMMIT${phase#head-bf16}" \
                   --out "$results" 2>&1 | tail -4 ;;
     attention)  python3 bench/attention_check.py --name "attention-gqa-$BENCH_COMMIT" --out "$results" 2>&1 | tail -30 ;;

@@ -268,7 +268,7 @@ def check_resume(device: torch.device, in_copy: bool) -> None:
         optimizer.zero_grad()
     with helpers.one_process_group(), tempfile.TemporaryDirectory() as folder:
         path = Checkpointer(Path(folder), keep=1).save(2, model, optimizer, {"step": 2}, ModelConfig(), "hash")
-        resumed, resumed_master, fresh = built(1)
+        resumed, _, fresh = built(1)
         Checkpointer(Path(folder), keep=1).load(path, resumed, fresh)
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)

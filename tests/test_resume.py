@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from tests.helpers import MINI_MODEL, assert_same_losses, last_step_record, launch, losses, metrics, optimizer_step_counts
+from tests.helpers import (MINI_MODEL, assert_same_losses, last_step_record, launch, losses, metrics,
+                           optimizer_step_counts)
 
 RUN = ("train.steps=20", "train.log_every=1", "train.ckpt_every=5", "train.eval_every=0", "precision=fp32", *MINI_MODEL)
 
@@ -24,7 +25,8 @@ def test_stopped_at_step_10_and_resumed_matches_uninterrupted(tmp_path):
     assert sorted(resumed) == list(range(1, 21))
     assert_same_losses(resumed, uninterrupted, range(11, 21))
     assert last_step_record(split)["restarts"] == 1
-    assert optimizer_step_counts(split / "checkpoints" / "step_00000020") == {20.0}  # the optimizer's state was resumed too
+    # the optimizer's state was resumed too, not started again at step 11
+    assert optimizer_step_counts(split / "checkpoints" / "step_00000020") == {20.0}
 
 
 def test_checkpoint_from_two_processes_loads_with_one_and_four(tmp_path):

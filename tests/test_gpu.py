@@ -81,14 +81,15 @@ def test_float8_model_computes_what_bf16_computes_within_fp8_rounding(recipe):
 
 
 def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_path, monkeypatch):
-    """ParallelReader's threads read the files' tensors as raw bytes into the GPU side by side, through
-    pinned buffers smaller than a weight (so each weight takes several turns of the two): every weight
-    and optimizer value arrives, and training's stream sees them."""
+    """ParallelReader's threads, two to a file, read the files' tensors as raw bytes into the GPU side by
+    side, through pinned buffers smaller than a weight (so each weight takes several turns of the two):
+    every weight and optimizer value arrives, and training's stream sees them."""
     from pretrain.config import ModelConfig
     from pretrain.trainer import checkpoint, shard_reader
     from tests import helpers
 
     monkeypatch.setattr(checkpoint, "writer_threads", lambda: 4)
+    monkeypatch.setattr(checkpoint, "reader_threads", lambda: 8)
     monkeypatch.setattr(shard_reader, "CHUNK_BYTES", 1 << 20)  # a 1024 x 1024 fp32 weight: 4 chunks
     readers = []
     monkeypatch.setattr(checkpoint, "ParallelReader",

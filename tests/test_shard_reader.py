@@ -38,6 +38,33 @@ def test_every_tensor_is_read_as_raw_bytes_into_its_target_exactly(tmp_path):
     assert reader.counts.direct_bytes == sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
 
 
+class RunRecordingReader(ParallelReader):
+    """Records the items each reading task was given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.runs: list[tuple[str, list[str]]] = []
+
+    def _read_file(self, plan, name, items, planner):
+        self.runs.append((name, [item.storage_index.fqn for item in items]))
+        return super()._read_file(plan, name, items, planner)
+
+
+def test_a_file_is_shared_by_several_threads_in_runs_of_equal_bytes_when_threads_outnumber_files(tmp_path):
+    torch.manual_seed(2)
+    state = {f"w{i}": torch.randn(64, 32) for i in range(8)}
+    with helpers.one_process_group():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=1))  # one file
+        into = {name: torch.zeros_like(value) for name, value in state.items()}
+        reader = RunRecordingReader(tmp_path, threads=4)
+        dcp.load(into, storage_reader=reader)
+    assert all(torch.equal(into[name], value) for name, value in state.items())
+    assert len({name for name, _ in reader.runs}) == 1
+    assert sorted(len(fqns) for _, fqns in reader.runs) == [2, 2, 2, 2]
+    assert sorted(fqn for _, fqns in reader.runs for fqn in fqns) == sorted(state)
+    assert reader.counts.direct == 8
+
+
 def test_a_tensor_of_another_dtype_is_read_and_cast_by_torch_load(tmp_path):
     state = saved_state()
     with helpers.one_process_group():

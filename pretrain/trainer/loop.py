@@ -498,7 +498,7 @@ def run(cfg: Config) -> dict[str, Any]:
     stop.install()
     verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
     if verify_ahead.path is not None and device.type == "cuda":
-        threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(device, checkpoint.writer_threads()),
+        threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(device, checkpoint.reader_threads()),
                          name="checkpoint-buffers", daemon=True).start()
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)

@@ -3,7 +3,8 @@
 DCP's FileSystemReader reads one file after the other, and each tensor with torch.load, which unpickles
 it into a new CPU tensor, before copying that into its target; into a GPU, that copy leaves from pageable
 memory. A requeued job of the 1B shape spent 4 s of its start on its 17 GiB that way (bench/NOTES.md,
-attempts 18-25 and 29). Here every file has a thread. A tensor whose stored bytes are the bytes its target
+attempts 18-25 and 29). Here `threads` threads share the reading: each file's items are split into runs of
+about equal bytes, a run to a thread, so a rank with fewer files than CPUs still uses them. A tensor whose stored bytes are the bytes its target
 holds (same dtype, a whole stored chunk or whole rows of it, a contiguous target) is read with os.preadv,
 which releases the GIL while it reads: on the CPU into the target itself, into a GPU through two pinned
 buffers that take turns, copied by a CUDA stream of the thread's own. Anything else (byte items, a load
@@ -31,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-# Bytes a pinned buffer holds. Two per file and eight files per rank keep 512 MiB of pinned host memory
-# during a load (afterwards torch's host allocator keeps it for later pinned buffers).
+# Bytes a pinned buffer holds. Two per reading thread, up to 16 threads per rank, keep up to 1 GiB of pinned
+# host memory during a load (afterwards torch's host allocator keeps it for later pinned buffers).
 CHUNK_BYTES = 32 << 20
 
 
@@ -51,7 +52,7 @@ class ReadCounts:
 
 
 class ParallelReader(dcp.FileSystemReader):
-    """DCP's file reader, with `threads` files read at a time and tensors read as raw bytes where they can be."""
+    """DCP's file reader, with `threads` threads reading and tensors read as raw bytes where they can be."""
 
     def __init__(self, path: str | os.PathLike, threads: int) -> None:
         super().__init__(path)
@@ -81,16 +82,30 @@ class ParallelReader(dcp.FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        runs_per_file = -(-self.threads // max(1, len(per_file)))
         with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="checkpoint-read") as pool:
-            parts = [pool.submit(self._read_file, plan, name, items, planner) for name, items in per_file.items()]
+            parts = [pool.submit(self._read_file, plan, name, run, planner)
+                     for name, items in per_file.items() for run in self._runs(items, runs_per_file)]
             for part in parts:
                 self.counts.add(part.result())
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
 
+    def _runs(self, items: list[ReadItem], count: int) -> list[list[ReadItem]]:
+        """A file's items in up to `count` runs of consecutive items with about equal stored bytes each."""
+        sizes = [self.storage_data[item.storage_index].length for item in items]
+        share, runs, run, filled = sum(sizes) / count, [], [], 0
+        for item, size in zip(items, sizes):
+            if run and filled + size / 2 > share * (len(runs) + 1) and len(runs) < count - 1:
+                runs.append(run)
+                run = []
+            run.append(item)
+            filled += size
+        return runs + [run] if run else runs
+
     def _read_file(self, plan: LoadPlan, name: str, items: list[ReadItem], planner: LoadPlanner) -> ReadCounts:
-        """Read one file's items: the raw ones here, the rest through FileSystemReader.read_data."""
+        """Read items of one file: the raw ones here, the rest through FileSystemReader.read_data."""
         counts, rest, done = ReadCounts(), [], []
         reading = _FileReading(str(self.fs.concat_path(self.path, name)))
         try:

@@ -45,9 +45,9 @@ class RunRecordingReader(ParallelReader):
         super().__init__(*args, **kwargs)
         self.runs: list[tuple[str, list[str]]] = []
 
-    def _read_file(self, plan, name, items, planner):
+    def _read_run(self, plan, name, items, planner):
         self.runs.append((name, [item.storage_index.fqn for item in items]))
-        return super()._read_file(plan, name, items, planner)
+        return super()._read_run(plan, name, items, planner)
 
 
 def test_a_file_is_shared_by_several_threads_in_runs_of_equal_bytes_when_threads_outnumber_files(tmp_path):

@@ -3,9 +3,10 @@
 DCP's FileSystemReader reads one file after the other, and each tensor with torch.load, which unpickles
 it into a new CPU tensor, before copying that into its target; into a GPU, that copy leaves from pageable
 memory. A requeued job of the 1B shape spent 4 s of its start on its 17 GiB that way (bench/NOTES.md,
-attempts 18-25 and 29). Here `threads` threads share the reading: each file's items are split into runs of
-about equal bytes, a run to a thread, so a rank with fewer files than CPUs still uses them. A tensor whose stored bytes are the bytes its target
-holds (same dtype, a whole stored chunk or whole rows of it, a contiguous target) is read with os.preadv,
+attempts 18-25 and 29). Here `threads` threads share the reading: each file's items are split into runs
+of about equal bytes, a run to a thread, so a rank with fewer files than CPUs still uses them. A tensor
+whose stored bytes are the bytes its target holds (same dtype, a whole stored chunk or whole rows of it,
+a contiguous target) is read with os.preadv,
 which releases the GIL while it reads: on the CPU into the target itself, into a GPU through two pinned
 buffers that take turns, copied by a CUDA stream of the thread's own. Anything else (byte items, a load
 that reshards across columns, a dtype change, a file format this module does not know) goes through
@@ -85,7 +86,7 @@ class ParallelReader(dcp.FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         runs_per_file = -(-self.threads // max(1, len(per_file)))
         with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="checkpoint-read") as pool:
-            parts = [pool.submit(self._read_file, plan, name, run, planner)
+            parts = [pool.submit(self._read_run, plan, name, run, planner)
                      for name, items in per_file.items() for run in self._runs(items, runs_per_file)]
             for part in parts:
                 self.counts.add(part.result())
@@ -105,8 +106,8 @@ class ParallelReader(dcp.FileSystemReader):
             filled += size
         return runs + [run] if run else runs
 
-    def _read_file(self, plan: LoadPlan, name: str, items: list[ReadItem], planner: LoadPlanner) -> ReadCounts:
-        """Read items of one file: the raw ones here, the rest through FileSystemReader.read_data."""
+    def _read_run(self, plan: LoadPlan, name: str, items: list[ReadItem], planner: LoadPlanner) -> ReadCounts:
+        """Read a run of one file's items: the raw ones here, the rest through FileSystemReader.read_data."""
         counts, rest, done = ReadCounts(), [], []
         reading = _FileReading(str(self.fs.concat_path(self.path, name)))
         try:

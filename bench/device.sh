@@ -5,7 +5,7 @@
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
-#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]
+#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head|lce-tests
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -43,7 +43,7 @@ for phase in "$@"; do
   case $phase in
     gpu-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_components.py \
                   tests/test_checkpoint_files.py tests/test_master_adamw.py tests/test_cuda_context.py \
-                  tests/test_allocator.py > "$results/test_gpu.log" 2>&1
+                  tests/test_allocator.py tests/test_linear_cross_entropy.py > "$results/test_gpu.log" 2>&1
                 tail -3 "$results/test_gpu.log" ;;
     master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank, and resumed
                 python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py \
@@ -57,6 +57,13 @@ for phase in "$@"; do
                 tail -3 "$results/test_cuda_context-$BENCH_COMMIT.log" ;;
     cuda-start) python3 bench/cuda_start.py --repeats ${CUDA_START_REPEATS:-5} --name "cuda-start-$BENCH_COMMIT" \
                   --out "$results" 2>&1 | tail -8 ;;
+    ce-head)    # the model's head (final norm, output layer, loss) with and without the fused kernel (attempt 49)
+                python3 bench/cross_entropy_head.py --sweep --name "cross-entropy-head-$BENCH_COMMIT" --out "$results" \
+                  2>&1 | tail -16 ;;
+    lce-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py \
+                  "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" \
+                  > "$results/test_lce-$BENCH_COMMIT.log" 2>&1
+                tail -3 "$results/test_lce-$BENCH_COMMIT.log" ;;
     optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \

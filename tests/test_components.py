@@ -12,7 +12,8 @@ from pretrain.config import ModelConfig, OptimConfig, PrecisionConfig
 from pretrain.flops import flops_per_token, parameter_count, peak_flops_for
 from pretrain.compose import compose, expand_sweep, varying
 from pretrain.rundir import MetricsFile
-from pretrain.models.llama import Transformer, cross_entropy
+from pretrain.models.linear_cross_entropy import cross_entropy
+from pretrain.models.llama import Transformer
 from pretrain.trainer.optim import lr_factor
 from pretrain.trainer.precision import LossScaler
 from pretrain.trainer.staging import HostStaging
@@ -65,6 +66,14 @@ def test_model_is_causal():
     assert not torch.allclose(a[:, 10:], b[:, 10:], atol=1e-5)
 
 
+def test_model_given_targets_returns_the_loss_of_its_logits():
+    """On the CPU the output layer computes cross_entropy of the logits it would return (no kernel)."""
+    model = small_model()
+    tokens = torch.randint(0, 50, (2, 17))
+    want = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    assert torch.equal(model(tokens[:, :-1], targets=tokens[:, 1:]), want)
+
+
 def test_tied_embeddings_share_one_matrix():
     model = small_model(tie_embeddings=True)
     assert model.output.weight is model.tok_embeddings.weight
@@ -76,7 +85,7 @@ def test_model_fits_a_small_batch():
     tokens = torch.randint(0, 50, (4, 17))
     first = None
     for _ in range(60):
-        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:])
         first = first if first is not None else loss.item()
         optimizer.zero_grad()
         loss.backward()

@@ -15,7 +15,7 @@ from pretrain.config import ConfigError, ModelConfig
 from pretrain.data import source
 from pretrain.hf import weights
 from pretrain.hf.export import export
-from pretrain.models.llama import cross_entropy
+from pretrain.models.linear_cross_entropy import cross_entropy
 from tests.helpers import MINI_MODEL, checkpointed_run, launch, launch_plain_and_wrapped, losses, snapshot
 
 pytest.importorskip("safetensors")

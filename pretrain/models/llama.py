@@ -2,7 +2,8 @@
 
 Plain PyTorch in the spirit of nanoGPT. Nothing here knows about processes, meshes or
 precision policies; `pretrain.parallel.parallelize` applies those to a built model. For generation,
-`forward` takes a KVCache: each call then feeds only the new tokens; training never passes one.
+`forward` takes a KVCache: each call then feeds only the new tokens; training never passes one. Given
+the targets, `forward` returns the mean next-token loss instead of the logits (OutputLayer).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig
+from pretrain.models.linear_cross_entropy import LossFn, cross_entropy, linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -156,6 +158,21 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class OutputLayer(nn.Linear):
+    """The output layer: logits, or with targets the mean cross-entropy of its logits, which on a GPU are
+    then never kept (pretrain.models.linear_cross_entropy). `logits_loss` computes that loss where the
+    fused kernel does not; `pretrain.parallel.parallelize` compiles it with the blocks."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.logits_loss: LossFn = cross_entropy
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, targets, self.logits_loss)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -163,7 +180,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = OutputLayer(cfg.dim, cfg.vocab_size)
         self.tie_weights()
         # A buffer, not a parameter: recomputed after loading, never checkpointed.
         self.register_buffer("freqs", self._freqs(), persistent=False)
@@ -204,9 +221,11 @@ class Transformer(nn.Module):
         """Compute the RoPE rotations, which are never saved: after `to_empty()` from the meta device."""
         self.freqs = self._freqs(self.freqs.device)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] for token ids [batch, seq]; with a cache, of positions from its
-        length on, attending to the cached ones too (and added to it)."""
+        length on, attending to the cached ones too (and added to it). With targets [batch, seq], the
+        mean cross-entropy of those logits instead (a float32 scalar)."""
         h = self.tok_embeddings(tokens)
         if cache is None:
             for block in self.layers:
@@ -216,9 +235,4 @@ class Transformer(nn.Module):
             for index, block in enumerate(self.layers):
                 h = block(h, freqs, cache.layer(index))
             cache.length += tokens.shape[1]
-        return self.output(self.norm(h))
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        return self.output(self.norm(h), targets)

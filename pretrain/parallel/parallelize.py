@@ -89,10 +89,15 @@ def apply_compile(model: nn.Module) -> None:
     """Compile each block in place (`Module.compile`: names and state-dict keys stay as they are), as
     one graph (fullgraph=True: a block that would break into pieces fails at its first step instead
     of running slowly). Blocks separately: FSDP2's hooks stay between blocks, and blocks share one
-    compiled graph. Compiling imports Triton, whose install Inductor hashes for its cache key: that
-    hash starts now, beside the rest of the start-up, not inside the first step."""
+    compiled graph. The final norm too (eager, its float32 steps are half a dozen passes over the
+    hidden states each way), and the loss of the logits where the output layer's kernel does not
+    compute it (pretrain.models.linear_cross_entropy). Compiling imports Triton, whose install
+    Inductor hashes for its cache key: that hash starts now, beside the rest of the start-up, not
+    inside the first step."""
     for block in model.layers:
         block.compile(fullgraph=True)
+    model.norm.compile(fullgraph=True)
+    model.output.logits_loss = torch.compile(model.output.logits_loss)
     prefetch_triton_key()
 
 

@@ -46,7 +46,6 @@ from pretrain.trainer import (bytecode, checkpoint, distributed, identity, logs,
 from pretrain.trainer.startup import StartupClock
 from pretrain.trainer.checkpoint import Checkpointer, CheckpointWriteError, Published
 from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps, params_finite
-from pretrain.trainer.loss import build_loss
 from pretrain.trainer.optim import (build_optimizer, clip_gradients, gradients, lr_factor, refreshes_copy, set_lr,
                                    skips_on_device)
 from pretrain.trainer.progress import Progress
@@ -136,8 +135,7 @@ class Trainer:
         self.scaler = precision.LossScaler(cfg.precision, enabled=self.precision == "fp16")
         self.skips = SkippedSteps(cfg.train.max_bad_steps, loss_scaled=self.scaler.enabled)
         self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.enabled
-        self.eval_loss_fn = build_loss(cfg.fsdp.compile)
-        self.loss_fn = self.faults.poisoned_loss(self.eval_loss_fn, lambda: self.state.step + 1)
+        self.loss_fn = self.faults.poisoned_loss(self.loss, lambda: self.state.step + 1)
         self.data = source.open_train(cfg)
         self.val_data = source.open_val(cfg)
         self.tokenizer = source.tokenizer(cfg) if cfg.train.sample_every else None
@@ -204,7 +202,7 @@ class Trainer:
         for micro in range(self.accum):
             inputs, targets = self.batch(micro)
             sync_gradients(self.model, self.mesh, last_micro_batch=micro == self.accum - 1)
-            loss = self.loss_fn(self.model(inputs), targets) / self.accum
+            loss = self.loss_fn(inputs, targets) / self.accum
             self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
         params = [p for p in self.weights.parameters() if p.requires_grad]
@@ -223,6 +221,11 @@ class Trainer:
         self.state.step += 1
         self.state.samples += self.global_batch
         return loss_sum, norm
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's mean next-token loss on one micro-batch (its output layer computes it: the logits of a
+        GPU's step are never kept, pretrain.models.linear_cross_entropy)."""
+        return self.model(inputs, targets=targets)
 
     def batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batch `micro` of the current step, on the device."""
@@ -334,7 +337,7 @@ class Trainer:
             indices = source.rank_indices(batch * self.global_batch, self.global_batch, self.env.world_size,
                                           self.env.rank, self.cfg.train.micro_batch, 0)
             inputs, targets = self.to_device(*split.get_batch(indices, self.cfg.train.seq_len, self.cfg.train.seed))
-            total += self.eval_loss_fn(self.model(inputs), targets)
+            total += self.loss(inputs, targets)
         return self.mean_across_ranks(total / self.cfg.train.eval_batches)
 
     @torch.no_grad()

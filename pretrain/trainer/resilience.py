@@ -225,8 +225,8 @@ class Faults:
         if "nan_loss" not in self.names:
             return loss_fn
 
-        def poisoned(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(logits, targets)
+        def poisoned(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(inputs, targets)
             return loss * float("nan") if fault_active("nan_loss", next_step()) else loss
 
         return poisoned

@@ -1,0 +1,97 @@
+"""The training loss from the last hidden states: the output layer's product and the mean next-token
+cross-entropy, with the gradient of the logits made in the forward pass.
+
+With a 128k vocabulary the logits are the largest activation of the model (1 GiB per sequence of 4096 in
+bf16). Apart, the product writes them, the loss reads them (its log-sum-exp) and keeps them for backward,
+and the loss's backward reads them again to write their gradient into a buffer of the same size: three
+passes over the logits besides the product's own, and two such buffers alive at once. Here, on a GPU, one
+Triton kernel (pretrain/models/cross_entropy_kernel.py) reads each row twice, the second time mostly from L2,
+and writes the gradient over the logits, which nothing else reads; backward multiplies that gradient with
+the weight and the hidden states, as the output layer's backward did, and scales the two products by the
+loss's incoming gradient (bench/NOTES.md, attempt 49).
+
+The arithmetic is F.cross_entropy's on float32 logits: log-sum-exp and softmax in float32, the gradient
+rounded once to the logits' dtype. Elsewhere (a CPU, or fp16 logits, whose range would flush the gradient's
+small probabilities when not scaled first) the loss is `cross_entropy` of the logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Columns a Triton program reads at a time, and its warps (bench/cross_entropy_head.py --sweep measures them).
+BLOCK = 4096
+NUM_WARPS = 8
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def fused(hidden: torch.Tensor) -> bool:
+    """Whether the Triton kernel computes the loss of these hidden states (on a GPU, bf16 or fp32)."""
+    return hidden.is_cuda and hidden.dtype in FUSED_DTYPES
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         logits_loss: LossFn = cross_entropy) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, targets): hidden [..., dim], weight [vocab, dim], targets [...].
+
+    `logits_loss` computes it where the kernel does not (the trainer passes a compiled cross_entropy)."""
+    if not fused(hidden):
+        return logits_loss(F.linear(hidden, weight), targets)
+    rows, flat_targets = hidden.flatten(0, -2), targets.flatten()
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return LinearCrossEntropy.apply(rows, weight, flat_targets)
+    losses, _ = losses_and_gradient(rows @ weight.t(), flat_targets, write_grad=False)
+    return losses.mean()
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Forward keeps the logits' gradient (written over them) for backward, not the logits."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses, grad_logits = losses_and_gradient(hidden @ weight.t(), targets, write_grad=True)
+        ctx.save_for_backward(hidden, weight, grad_logits)
+        return losses.mean()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        hidden, weight, grad_logits = ctx.saved_tensors
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (grad_logits @ weight).mul_(grad_loss)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_logits.t() @ hidden).mul_(grad_loss)
+        return grad_hidden, grad_weight, None
+
+
+def losses_and_gradient(logits: torch.Tensor, targets: torch.Tensor,
+                        write_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's loss (float32), and `logits` itself, overwritten with the mean loss's gradient when
+    `write_grad`. `logits` is [rows, vocab] with unit column stride; `targets` [rows]."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1 or targets.shape != (rows,):
+        raise ValueError(f"logits {tuple(logits.shape)} (strides {logits.stride()}) and targets "
+                         f"{tuple(targets.shape)}: expected [rows, vocab] with contiguous rows and [rows]")
+    losses = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    _kernel()[(rows,)](logits, targets, losses, logits.stride(0), vocab, 1.0 / rows,
+                       WRITE_GRAD=write_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return losses, logits
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, imported at first use: importing Triton is not free, and CPUs need none."""
+    from pretrain.models.cross_entropy_kernel import cross_entropy_rows
+
+    return cross_entropy_rows

@@ -1,0 +1,104 @@
+"""The output layer's loss (pretrain/models/linear_cross_entropy.py): its Triton kernel computes what
+F.cross_entropy of the logits computes, loss and gradients, without keeping the logits.
+
+The kernel runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, read when Triton is imported: so in
+a process of its own), compiled on a GPU; either way against `cross_entropy` of the logits, the loss the model
+computes without the kernel. Vocabularies are chosen around the kernel's block (one partial block, several).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.models import linear_cross_entropy as lce
+from pretrain.models.linear_cross_entropy import LinearCrossEntropy, cross_entropy
+
+pytest.importorskip("triton", reason="the output layer's kernel is Triton's")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def run_check(name: str, device: str, *args) -> None:
+    """The check `name` of this module on `device`: on the CPU in a new process under Triton's interpreter."""
+    if device == "cuda":
+        globals()[name](torch.device("cuda"), *args)
+        return
+    call = f"t.{name}(t.torch.device('cpu'), *{args!r})"
+    done = subprocess.run([sys.executable, "-c", f"import tests.test_linear_cross_entropy as t; {call}"],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def inputs(device: torch.device, dtype: torch.dtype, rows: int, dim: int, vocab: int, spread: float = 1.0):
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, dim, device=device).mul(spread).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, dim, device=device).div(dim**0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device=device)
+    return hidden, weight, targets
+
+
+def reference(hidden, weight, targets, scale: float = 1.0):
+    """Loss and gradients through the logits, as the model computes them without the kernel."""
+    loss = cross_entropy(F.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0))
+    grad_hidden, grad_weight = torch.autograd.grad(loss * scale, (hidden, weight))
+    return loss.detach(), grad_hidden, grad_weight
+
+
+def check_loss_and_gradients_match_the_logits_path(device: torch.device, dtype_name: str, vocab: int,
+                                                   spread: float) -> None:
+    dtype = getattr(torch, dtype_name)
+    hidden, weight, targets = inputs(device, dtype, rows=24, dim=32, vocab=vocab, spread=spread)
+    want_loss, want_hidden, want_weight = reference(hidden, weight, targets, scale=3.0)
+    loss = LinearCrossEntropy.apply(hidden, weight, targets)
+    grad_hidden, grad_weight = torch.autograd.grad(loss * 3.0, (hidden, weight))
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    # float32: the same arithmetic in another order. bf16: the gradient of the logits is rounded once, to
+    # nearest on a GPU as torch rounds it, truncated by Triton's interpreter: a few bf16 steps apart.
+    tolerance = {"float32": (1e-5, 1e-6), "bfloat16": (3e-2, 2e-3)}[dtype_name]
+    assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-5), (loss, want_loss)
+    for got, want in ((grad_hidden, want_hidden), (grad_weight, want_weight)):
+        assert got.dtype == want.dtype
+        assert torch.allclose(got.float(), want.float(), rtol=tolerance[0], atol=tolerance[1]), \
+            (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_name,vocab,spread", [
+    ("float32", 1000, 1.0),             # less than one block of the kernel
+    ("float32", 2 * lce.BLOCK + 5, 1.0),  # two full blocks and a partial one
+    ("float32", 1000, 300.0),           # logits in the hundreds: the running maximum keeps exp() finite
+    ("bfloat16", lce.BLOCK + 100, 1.0),
+])
+def test_kernel_gives_the_loss_and_gradients_of_cross_entropy_on_the_logits(device, dtype_name, vocab, spread):
+    run_check("check_loss_and_gradients_match_the_logits_path", device, dtype_name, vocab, spread)
+
+
+def check_without_gradients_the_loss_alone(device: torch.device) -> None:
+    hidden, weight, targets = inputs(device, torch.float32, rows=8, dim=16, vocab=700)
+    want = cross_entropy(F.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0))
+    logits = F.linear(hidden, weight).detach()
+    before = logits.clone()
+    losses, same = lce.losses_and_gradient(logits, targets, write_grad=False)
+    assert same is logits and torch.equal(logits, before)  # nothing written
+    assert torch.allclose(losses.mean(), want, rtol=1e-5)
+    losses, grad = lce.losses_and_gradient(logits, targets, write_grad=True)
+    assert torch.allclose(grad, (torch.softmax(before, -1) - F.one_hot(targets, 700)) / 8, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_without_gradients_reads_the_logits_and_writes_only_the_losses(device):
+    run_check("check_without_gradients_the_loss_alone", device)
+
+
+def test_kernel_refuses_logits_whose_rows_are_not_contiguous():
+    logits = torch.zeros(10, 4).t()
+    with pytest.raises(ValueError, match="contiguous rows"):
+        lce.losses_and_gradient(logits, torch.zeros(4, dtype=torch.long), write_grad=True)
+

@@ -10,8 +10,7 @@ through two heads, alternated, each timed with CUDA events from the norm's forwa
 - fused: the norm compiled, the output layer's Triton kernel writing the logits' gradient over them in forward
   (pretrain/models/linear_cross_entropy.py).
 Both compute the same loss and gradients; the difference is the memory traffic around the logits. --sweep also
-times the kernel alone at other block sizes, warps and programs per multiprocessor (linear_cross_entropy's BLOCK,
-NUM_WARPS and PROGRAMS_PER_SM are the choice).
+times the kernel alone at other block sizes and warps (linear_cross_entropy's BLOCK and NUM_WARPS are the choice).
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ from pretrain.config import ModelConfig  # noqa: E402
 from pretrain.models import linear_cross_entropy as lce  # noqa: E402
 from pretrain.models.llama import OutputLayer, RMSNorm  # noqa: E402
 
-# (BLOCK, NUM_WARPS, PROGRAMS_PER_SM)
-SWEEP = [(4096, 8, 0), (8192, 16, 0), (16384, 16, 0), (8192, 32, 0), (16384, 32, 0),
-         (4096, 8, 1), (4096, 8, 2), (8192, 16, 1), (8192, 16, 2), (16384, 32, 1), (8192, 8, 4), (4096, 4, 8)]
+# (BLOCK, NUM_WARPS)
+SWEEP = [(2048, 4), (2048, 8), (4096, 8), (8192, 16), (8192, 32), (16384, 16), (16384, 32)]
 TOKENS = 8 * 4096
 
 
@@ -94,16 +92,16 @@ def head_times(cfg: ModelConfig, repeats: int) -> tuple[dict[str, list[float]], 
     return times, peak
 
 
-def kernel_times(cfg: ModelConfig, repeats: int, configs: list[tuple[int, int, int]]) -> dict[str, list[float]]:
-    """The kernel alone on a logits buffer, writing the gradient, under each (BLOCK, NUM_WARPS, PROGRAMS_PER_SM)."""
+def kernel_times(cfg: ModelConfig, repeats: int, configs: list[tuple[int, int]]) -> dict[str, list[float]]:
+    """The kernel alone on a logits buffer, writing the gradient, under each (BLOCK, NUM_WARPS)."""
     logits = torch.randn(TOKENS, cfg.vocab_size, device="cuda", dtype=torch.bfloat16)
     targets = torch.randint(0, cfg.vocab_size, (TOKENS,), device="cuda")
     times = {}
-    for block, warps, programs in configs:
-        lce.BLOCK, lce.NUM_WARPS, lce.PROGRAMS_PER_SM = block, warps, programs
+    for block, warps in configs:
+        lce.BLOCK, lce.NUM_WARPS = block, warps
         for _ in range(2):
             lce.losses_and_gradient(logits, targets, write_grad=True)
-        times[f"kernel {block}/{warps}/{programs}"] = [time_ms(lce.losses_and_gradient, logits, targets, True)
+        times[f"kernel {block}/{warps}"] = [time_ms(lce.losses_and_gradient, logits, targets, True)
                                             for _ in range(repeats)]
     return times
 
@@ -116,10 +114,10 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     cfg = shape_1b()
-    chosen = (lce.BLOCK, lce.NUM_WARPS, lce.PROGRAMS_PER_SM)
+    chosen = (lce.BLOCK, lce.NUM_WARPS)
     times, peak = head_times(cfg, args.repeats)
     times.update(kernel_times(cfg, args.repeats, [chosen] + ([c for c in SWEEP if c != chosen] if args.sweep else [])))
-    lce.BLOCK, lce.NUM_WARPS, lce.PROGRAMS_PER_SM = chosen
+    lce.BLOCK, lce.NUM_WARPS = chosen
     medians = {label: statistics.median(t) for label, t in times.items()}
     logits_bytes = TOKENS * cfg.vocab_size * 2
     result = {**common.stamp(), "tokens": TOKENS, "dim": cfg.dim, "vocab": cfg.vocab_size, "repeats": args.repeats,

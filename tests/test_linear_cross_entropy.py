@@ -59,15 +59,15 @@ def check_loss_and_gradients_match_the_logits_path(device: torch.device, dtype_n
     loss = LinearCrossEntropy.apply(hidden, weight, targets)
     grad_hidden, grad_weight = torch.autograd.grad(loss * 3.0, (hidden, weight))
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
-    # float32: the same arithmetic in another order, on logits whose own rounding grows with their size
-    # (`spread`). bf16: the gradient of the logits is rounded once, to nearest on a GPU as torch rounds it,
-    # truncated by Triton's interpreter: a few bf16 steps apart.
-    tolerance = {"float32": (1e-5, 1e-6 * spread), "bfloat16": (3e-2, 2e-3)}[dtype_name]
     assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-5), (loss, want_loss)
+    # float32: the same arithmetic in another order (and another exp() on a GPU). bf16: the logits' gradient is
+    # rounded once, to nearest on a GPU as torch rounds it, truncated by Triton's interpreter. Either way far
+    # below what a wrong term would give: of the order of the largest gradient.
+    relative = {"float32": 1e-4, "bfloat16": 2e-2}[dtype_name]
     for got, want in ((grad_hidden, want_hidden), (grad_weight, want_weight)):
         assert got.dtype == want.dtype
-        assert torch.allclose(got.float(), want.float(), rtol=tolerance[0], atol=tolerance[1]), \
-            (got.float() - want.float()).abs().max()
+        error = (got.float() - want.float()).abs().max()
+        assert error <= relative * want.float().abs().max(), (error, want.float().abs().max())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,34 +5,31 @@ import triton.language as tl
 
 
 @triton.jit
-def cross_entropy_rows(logits_ptr, targets_ptr, losses_ptr, n_rows, row_stride, inv_rows,
+def cross_entropy_rows(logits_ptr, targets_ptr, losses_ptr, row_stride, inv_rows,
                        N_COLS: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows of logits, each program every num_programs-th row from its own: each row's loss, log-sum-exp minus
-    the target's logit, in float32 at losses_ptr; with WRITE_GRAD, the row itself overwritten by the gradient
-    of the mean loss over the rows, (softmax - one hot) * inv_rows, in the logits' dtype.
+    """One row of logits: its loss, log-sum-exp minus the target's logit, in float32 at losses_ptr; with
+    WRITE_GRAD, the row itself overwritten by the gradient of the mean loss over the rows, (softmax - one
+    hot) * inv_rows, in the logits' dtype.
 
-    The first pass reads a row once for its running maximum and sum of exponentials; the second reads it
-    again, from its end back (one row of a 128k vocabulary is 256 KB in bf16: what was read last is the
-    likeliest to be still in L2), and writes the gradient over it. The vocabulary, N_COLS, is a compile-time
-    constant: one model has one."""
-    last_start: tl.constexpr = (N_COLS - 1) // BLOCK * BLOCK
-    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        base = logits_ptr + (row + tl.zeros((), tl.int64)) * row_stride  # rows x columns can pass 2^31
-        running_max = tl.full((), -float("inf"), tl.float32)
-        running_sum = tl.zeros((), tl.float32)
+    The first pass reads the row for its running maximum and sum of exponentials, the second reads it again
+    and writes the gradient over it. The vocabulary, N_COLS, is a compile-time constant: one model has one."""
+    row = tl.program_id(0).to(tl.int64)  # rows x columns can pass 2^31
+    base = logits_ptr + row * row_stride
+    running_max = tl.full((), -float("inf"), tl.float32)
+    running_sum = tl.zeros((), tl.float32)
+    for start in range(0, N_COLS, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < N_COLS, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, 0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+        running_max = new_max
+    log_sum_exp = running_max + tl.log(running_sum)
+    target = tl.load(targets_ptr + row)
+    tl.store(losses_ptr + row, log_sum_exp - tl.load(base + target).to(tl.float32))
+    if WRITE_GRAD:
         for start in range(0, N_COLS, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < N_COLS, other=-float("inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, 0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
-            running_max = new_max
-        log_sum_exp = running_max + tl.log(running_sum)
-        target = tl.load(targets_ptr + row)
-        tl.store(losses_ptr + row, log_sum_exp - tl.load(base + target).to(tl.float32))
-        if WRITE_GRAD:
-            for back in range(0, N_COLS, BLOCK):
-                cols = last_start - back + tl.arange(0, BLOCK)
-                mask = cols < N_COLS
-                x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
-                tl.store(base + cols, (grad * inv_rows).to(logits_ptr.dtype.element_ty), mask=mask)
+            mask = cols < N_COLS
+            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
+            tl.store(base + cols, (grad * inv_rows).to(logits_ptr.dtype.element_ty), mask=mask)

@@ -2,13 +2,14 @@
 cross-entropy, with the gradient of the logits made in the forward pass.
 
 With a 128k vocabulary the logits are the largest activation of the model (1 GiB per sequence of 4096 in
-bf16). Apart, the product writes them, the loss reads them (its log-sum-exp) and keeps them for backward,
-and the loss's backward reads them again to write their gradient into a buffer of the same size: three
-passes over the logits besides the product's own, and two such buffers alive at once. Here, on a GPU, one
-Triton kernel (pretrain/models/cross_entropy_kernel.py) reads each row twice, the second time mostly from L2,
-and writes the gradient over the logits, which nothing else reads; backward multiplies that gradient with
-the weight and the hidden states, as the output layer's backward did, and scales the two products by the
-loss's incoming gradient (bench/NOTES.md, attempt 49).
+bf16). Apart, the product writes them, the loss reads them for its log-sum-exp and keeps them for backward,
+and the loss's backward reads them again to write their gradient into a second buffer of the same size. Here,
+on a GPU, one Triton kernel (pretrain/models/cross_entropy_kernel.py) reads each row twice and writes the
+gradient over the logits, which nothing else reads: as many passes, in one kernel that runs nearer the card's
+bandwidth than the compiled loss's two did, and one logits-sized buffer instead of two (bench/NOTES.md,
+attempt 49: 4.9 ms and 8 GiB less a micro-batch of the 1B row). Backward multiplies that gradient with the
+weight and the hidden states, as the output layer's backward did, and scales the two products by the loss's
+incoming gradient.
 
 The arithmetic is F.cross_entropy's on float32 logits: log-sum-exp and softmax in float32, the gradient
 rounded once to the logits' dtype. Elsewhere (a CPU, or fp16 logits, whose range would flush the gradient's
@@ -23,9 +24,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-# Columns a Triton program reads at a time, and its warps: a program a row. On an H100 (attempt 49,
-# bench/cross_entropy_head.py --sweep) 16384/16 took 7.9 ms for the 1B row's logits, 2048-8192 columns with
-# 4-32 warps 8.3-9.1 ms, and a few programs a multiprocessor looping over the rows 8.6-17 ms.
+# Columns a Triton program reads at a time, and its warps: a program a row. On H100s (attempt 49,
+# bench/cross_entropy_head.py --sweep, two calls) 16384 columns and 16 warps took 7.9-8.3 ms for the 1B row's
+# logits, other blocks of 2048-16384 columns with 4-32 warps 8.3-9.1 ms, and a few programs a multiprocessor
+# looping over the rows 8.6-17 ms.
 BLOCK = 16384
 NUM_WARPS = 16
 FUSED_DTYPES = (torch.bfloat16, torch.float32)

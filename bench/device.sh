@@ -29,7 +29,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 results=/tmp/results
 mkdir -p "$results"
-trap 'tar -czf "$OUT/results.tgz" -C /tmp results' EXIT
+# Packed after every phase as well: a phase the call's time limit (or a `timeout` around this script) kills
+# takes the EXIT trap with it, and the phases before it would otherwise come back with nothing (2026-12-06).
+pack() { tar -czf "$OUT/results.tgz" -C /tmp results; }
+trap pack EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$results/machine.txt"
 
 # The other side of an A/B: the package as it is, with the files under .ab/ (paths as in the repository) over it.
@@ -146,4 +149,5 @@ for phase in "$@"; do
                 python3 bench/slurm_gpu.py --out "$results" 2>&1 | tail -30 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
+  pack
 done

@@ -119,3 +119,35 @@ def test_kernel_reaches_rows_past_two_to_the_31_elements():
     losses, grad = lce.losses_and_gradient(logits, targets, write_grad=True)
     assert torch.allclose(losses[tail], want, rtol=1e-5)
     assert torch.allclose(grad[tail].float(), want_grad, rtol=1e-2, atol=1e-9)
+
+
+def check_fsdp2_output_layer_runs_the_kernel_between_its_hooks(device: torch.device) -> None:
+    """FSDP2 wraps the output layer as a unit of its own (pretrain.parallel.parallelize): given targets, its
+    forward hooks gather the weight the kernel's product reads, and its backward reduces the gradient the
+    kernel's backward made. Here at one rank (fsdp.wrap_single_rank), the kernel under Triton's interpreter."""
+    from pretrain.compose import compose
+    from pretrain.models.llama import Transformer
+    from pretrain.parallel.parallelize import build_mesh
+    from pretrain.trainer.loop import build_model
+
+    from .helpers import MINI_MODEL, one_process_group
+
+    cfg = compose([*MINI_MODEL, "precision=fp32", "fsdp.wrap_single_rank=true", "fsdp.activation_checkpointing=none"])
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with one_process_group():
+        sharded = build_model(cfg, device, build_mesh(cfg.fsdp, device, 1, 1)).model
+        plain = Transformer(cfg.model)
+        plain.load_state_dict({k: v.full_tensor() for k, v in sharded.state_dict().items()})
+        want = plain(tokens[:, :-1], targets=tokens[:, 1:])
+        want.backward()
+        lce.fused = lambda hidden: True  # this process runs the kernel on the CPU
+        got = sharded(tokens[:, :-1], targets=tokens[:, 1:])
+        got.backward()
+        assert torch.allclose(got, want, rtol=1e-5), (got, want)
+        grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
+        for name, p in plain.named_parameters():
+            assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_fsdp2_output_layer_runs_the_kernel_between_its_hooks():
+    run_check("check_fsdp2_output_layer_runs_the_kernel_between_its_hooks", "cpu")

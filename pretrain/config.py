@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+# Precisions whose loss a GPU computes with the output layer's kernel, the logits overwritten by their
+# gradient (pretrain.models.linear_cross_entropy; pretrain.plan counts one logits-sized buffer for them).
+# fp16 keeps the loss of the logits: its range would flush the gradient's small probabilities unscaled.
+FUSED_LOSS_PRECISIONS = ("bf16", "fp32")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 # auto: the least checkpointing that fits the GPUs' memory by the planner's estimate (pretrain/plan.py).

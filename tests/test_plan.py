@@ -169,7 +169,8 @@ def test_launcher_refuses_a_run_that_will_not_fit_and_names_what_would(tmp_path)
     assert message.startswith("error: llama-8b will not fit: about ")
     assert "GiB per GPU (parameters 3.74 + optimizer state 7.48 + " in message
     assert "cluster a100x8: 1 node x 8 GPUs has 80.0 GiB per GPU" in message
-    assert "fits with: train.micro_batch=1 (" in message and "| fsdp.activation_checkpointing=selective (" in message
+    fixes = message.split("fits with: ")[1].split("; or ")[0].split(" | ")
+    assert {fix.split(" (")[0] for fix in fixes} >= {"train.micro_batch=1", "fsdp.activation_checkpointing=selective"}
     assert "plan.force=true" in message
     assert not run_dir.exists() and snapshot(tmp_path) == {}
     # The first suggestion is accepted as it stands.
@@ -211,6 +212,7 @@ def test_plan_cli_exits_1_with_suggestions_when_it_will_not_fit():
     result = plan_cli(*TOO_BIG)
     assert result.returncode == 1
     assert "does NOT fit in 80.0 GiB per GPU" in result.stdout
-    assert "would fit:\n  train.micro_batch=1 " in result.stdout
-    assert "\n  fsdp.activation_checkpointing=selective " in result.stdout
+    fixes = result.stdout.split("would fit:\n")[1]
+    assert "\n  train.micro_batch=1 " in "\n" + fixes
+    assert "\n  fsdp.activation_checkpointing=selective " in "\n" + fixes
     assert plan_cli("train.micro_batch=0").returncode == 2

@@ -17,7 +17,9 @@ parameter is sharded over, c bytes per value of the compute dtype, T tokens per 
                       output layer, kept for backward, and two blocks), fp32
                       sharded gradients 4P/D between the micro-batches of an accumulation,
                       every block's saved activations, and at the end of forward the logits
-                      and loss buffers (eager cross-entropy: 12 TV bytes; compiled: 2 cTV)
+                      and loss buffers (eager cross-entropy: 12 TV bytes; compiled: 2 cTV; the
+                      output layer's kernel on GPUs in bf16 or fp32: cTV, the logits overwritten
+                      by their gradient)
                       or, with activation checkpointing, one block's recomputation
   optimizer step      fp32 sharded gradients 4P/D (+ 4P/D of temporaries for foreach AdamW)
 Peak = held + the larger of the last two. On GPUs an allowance is added for what PyTorch's
@@ -191,13 +193,16 @@ def recompute_transient(m: ModelConfig, c: int, checkpointing: str, compiled: bo
     return whole - block_activations(m, c, checkpointing, compiled, device) + gradients
 
 
-def loss_buffers(tokens: int, m: ModelConfig, c: int, compiled: bool) -> float:
+def loss_buffers(tokens: int, m: ModelConfig, c: int, compiled: bool, fused: bool) -> float:
     """The logits and loss at the turn from forward to backward.
 
+    The output layer's kernel (`fused`): the compute-dtype logits, overwritten by their gradient.
     Eager: fp32 log-softmax output (saved), the gradient nll_loss scatters into and
     log-softmax's gradient, 4 TV bytes each (the fp32 copy of bf16 logits is gone by then).
     Compiled: the compute-dtype logits (saved) and their gradient, fused.
     """
+    if fused:
+        return c * tokens * m.vocab_size
     if compiled:
         return 2 * c * tokens * m.vocab_size
     return 12 * tokens * m.vocab_size
@@ -212,16 +217,17 @@ def gathered_parameters(m: ModelConfig, strategy: str, degree: int, c: int) -> t
     return (m.vocab_size * m.dim + m.dim + 2 * flops.block_parameter_count(m)) * c, "output layer and two blocks"
 
 
-def turn_of_backward(m: ModelConfig, c: int, tokens: int, checkpointing: str, compiled: bool, device: str) -> Part:
+def turn_of_backward(m: ModelConfig, c: int, tokens: int, checkpointing: str, compiled: bool, device: str,
+                     fused: bool) -> Part:
     """The largest working set on top of the saved activations: the loss at the end of forward,
     the output layer's gradients, or one block's recomputation in backward."""
-    loss = loss_buffers(tokens, m, c, compiled)
+    loss = loss_buffers(tokens, m, c, compiled, fused)
     output_layer = m.vocab_size * m.dim * (c + (4 if c < 4 else 0)) + c * tokens * m.vocab_size
     recompute = recompute_transient(m, c, checkpointing, compiled, device) * tokens
     if recompute > max(loss, output_layer):
         what = "gradients in flight" + ("" if checkpointing == "none" else f" and its recomputation ({checkpointing})")
         return Part("block backward", f"one block's {what}", recompute)
-    kind = "compiled" if compiled else "eager"
+    kind = "the output layer's kernel" if fused else "compiled" if compiled else "eager"
     return Part("logits and loss", f"{tokens:,} tokens x {m.vocab_size:,} vocabulary, {kind} cross-entropy",
                 max(loss, output_layer))
 
@@ -257,7 +263,8 @@ def estimate(cfg: Config, target: Target) -> Estimate:
              else "none: one micro-batch per step", 4 * shard if accumulation > 1 else 0),
         Part("activations", f"{m.n_layers} layers x {tokens:,} tokens, checkpointing {ac}"
              + (", compiled" if compiled else ""), (m.n_layers * per_block + final_norm) * tokens),
-        turn_of_backward(m, c, tokens, ac, compiled, target.device),
+        turn_of_backward(m, c, tokens, ac, compiled, target.device,
+                         fused=target.device == "cuda" and target.precision in config.FUSED_LOSS_PRECISIONS),
     ]
     foreach = not config.uses_fused_adamw(cfg.optim, target.device == "cuda")
     optimizer_step = [Part("gradients", f"fp32, {split}", 4 * shard)]

@@ -12,8 +12,8 @@ weight and the hidden states, as the output layer's backward did, and scales the
 incoming gradient.
 
 The arithmetic is F.cross_entropy's on float32 logits: log-sum-exp and softmax in float32, the gradient
-rounded once to the logits' dtype. Elsewhere (a CPU, or fp16 logits, whose range would flush the gradient's
-small probabilities when not scaled first) the loss is `cross_entropy` of the logits.
+rounded once to the logits' dtype. Elsewhere (a CPU, or fp16 logits: config.FUSED_LOSS_PRECISIONS) the loss
+is `cross_entropy` of the logits.
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from pretrain.config import FUSED_LOSS_PRECISIONS
+
 # Columns a Triton program reads at a time, and its warps: a program a row. On H100s (attempt 49,
 # bench/cross_entropy_head.py --sweep, two calls) 16384 columns and 16 warps took 7.9-8.3 ms for the 1B row's
 # logits, other blocks of 2048-16384 columns with 4-32 warps 8.3-9.1 ms, and a few programs a multiprocessor
 # looping over the rows 8.6-17 ms.
 BLOCK = 16384
 NUM_WARPS = 16
-FUSED_DTYPES = (torch.bfloat16, torch.float32)
+FUSED_DTYPES = tuple({"bf16": torch.bfloat16, "fp32": torch.float32}[name] for name in FUSED_LOSS_PRECISIONS)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -14,10 +14,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pretrain.config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
+
+
+def shape_1b() -> ModelConfig:
+    """The 1B preset's ModelConfig (conf/model/llama-1b.yaml), for benchmarks of its parts outside a run.
+    The package is imported here, not at the top: most benchmarks only drive its launcher, some a tree of
+    another commit (--repo), and import none of it."""
+    import yaml
+
+    from pretrain.config import ModelConfig
+
+    return ModelConfig(**yaml.safe_load((REPO / "conf" / "model" / "llama-1b.yaml").read_text()))
 
 
 def launch(overrides: list[str], run_dir: Path, timeout_s: float, log_path: Path, repo: Path = REPO,

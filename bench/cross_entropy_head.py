@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,10 +33,6 @@ from pretrain.models.llama import OutputLayer, RMSNorm  # noqa: E402
 # (BLOCK, NUM_WARPS)
 SWEEP = [(2048, 4), (2048, 8), (4096, 8), (8192, 16), (8192, 32), (16384, 16), (16384, 32)]
 TOKENS = 8 * 4096
-
-
-def shape_1b() -> ModelConfig:
-    return ModelConfig(**yaml.safe_load((common.REPO / "conf" / "model" / "llama-1b.yaml").read_text()))
 
 
 def heads(cfg: ModelConfig):
@@ -113,7 +108,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
-    cfg = shape_1b()
+    cfg = common.shape_1b()
     chosen = (lce.BLOCK, lce.NUM_WARPS)
     times, peak = head_times(cfg, args.repeats)
     times.update(kernel_times(cfg, args.repeats, [chosen] + ([c for c in SWEEP if c != chosen] if args.sweep else [])))

@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from pretrain import flops  # noqa: E402
-from pretrain.config import ModelConfig, OptimConfig  # noqa: E402
+from pretrain.config import OptimConfig  # noqa: E402
 from pretrain.models.llama import Transformer  # noqa: E402
 from pretrain.parallel import master_adamw  # noqa: E402
 from pretrain.parallel.master_weights import MasterWeights  # noqa: E402
@@ -43,15 +42,11 @@ BYTES = {"torch": 4 + 8 + 28 + 6, "master_adamw": 4 + 30, "master_adamw_bf16_gra
 SWEEP = [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)]
 
 
-def shape_1b() -> ModelConfig:
-    return ModelConfig(**yaml.safe_load((common.REPO / "conf" / "model" / "llama-1b.yaml").read_text()))
-
-
 def setup(way: str) -> tuple[MasterWeights, torch.optim.Optimizer]:
     """The 1B shape's master weights and copy on the GPU, gradients, and the optimizer of `way` after one step."""
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Transformer(shape_1b())
+        model = Transformer(common.shape_1b())
     master = MasterWeights(model, torch.bfloat16)
     master.track_gradients()
     in_copy = way == "master_adamw_bf16_grads"
@@ -122,7 +117,7 @@ def main() -> int:
     host: dict[str, float] = {}
     for way in BYTES:  # one at a time: both would not fit beside each other on an 80 GB card
         times.update(timings(way, args.repeats, configs, host))
-    params = flops.parameter_count(shape_1b())
+    params = flops.parameter_count(common.shape_1b())
     medians = {label: statistics.median(t) for label, t in times.items()}
     result = {**common.stamp(), "parameters": params, "repeats": args.repeats, "chosen": list(chosen), "ms": times,
               "median_ms": medians, "host_median_ms": host}

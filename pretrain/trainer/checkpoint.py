@@ -146,17 +146,22 @@ def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
     return {name: {"size": (folder / name).stat().st_size, "crc32": crc} for name, crc in zip(names, crcs)}
 
 
+def _within_cpus(threads: int) -> int:
+    """`threads`, or fewer: as many as the CPUs this rank may use (under Slurm, its task's), at least one."""
+    return max(1, min(threads, len(os.sched_getaffinity(0))))
+
+
 def writer_threads() -> int:
     """Threads (and files) per rank for writing and digesting shards: up to 8, within the CPUs the
-    rank may use (under Slurm, its task's)."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+    rank may use."""
+    return _within_cpus(8)
 
 
 def reader_threads() -> int:
     """Threads per rank for reading shards: up to 16, within the CPUs the rank may use. Each thread's copy from
     the page cache into pinned memory is one core's work: on a GPU host of 16 cores, 16 threads read the 1B
     shape's 17 GiB in 0.92-1.04 s, 8 in 1.02-1.19 s (bench/NOTES.md, attempt 47)."""
-    return max(1, min(16, len(os.sched_getaffinity(0))))
+    return _within_cpus(16)
 
 
 def save_shards(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:

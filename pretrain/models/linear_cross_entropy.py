@@ -51,7 +51,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          logits_loss: LossFn = cross_entropy) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, targets): hidden [..., dim], weight [vocab, dim], targets [...].
 
-    `logits_loss` computes it where the kernel does not (the trainer passes a compiled cross_entropy)."""
+    `logits_loss` computes it where the kernel does not (OutputLayer passes its own, which
+    pretrain.parallel.parallelize compiles with the blocks)."""
     if not fused(hidden):
         return logits_loss(F.linear(hidden, weight), targets)
     rows, flat_targets = hidden.flatten(0, -2), targets.flatten()

@@ -5,7 +5,7 @@
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
-#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head|lce-tests
+#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head|lce-tests|profile
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -67,6 +67,9 @@ for phase in "$@"; do
                   "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" \
                   > "$results/test_lce-$BENCH_COMMIT.log" 2>&1
                 tail -3 "$results/test_lce-$BENCH_COMMIT.log" ;;
+    profile)    # one step's GPU time by kernel, through the Trainer (1B, micro-batch 8, bf16)
+                python3 bench/profile_step.py --name "profile-1b-mb8-$BENCH_COMMIT" --out "$results" \
+                  --runs /tmp/bench-runs 2>&1 | tail -3; sed -n 6,20p "$results/profile-1b-mb8-$BENCH_COMMIT.md" ;;
     optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \

@@ -6,7 +6,7 @@ Builds the Trainer as `python -m pretrain.launch` would for one process (same co
 composition, model, parallelization, optimizer and data), runs --warmup steps (compilation),
 then profiles --steps steps with torch.profiler. Reports wall time per step, GPU kernel time
 per step by category (matmul, attention, fused elementwise, optimizer, copies, NCCL, ...),
-the GPU's idle share, and the 25 most expensive kernels. Writes NAME.json and NAME.md.
+the GPU's idle share, and the 40 most expensive kernels. Writes NAME.json and NAME.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+from pretrain.trainer import allocator  # noqa: E402
+
+allocator.configure(os.environ)  # before torch starts, as in a job (pretrain/train.py)
 
 # First match wins: kernel-name patterns to a category.
 CATEGORIES = [
@@ -71,14 +74,14 @@ def profile(trainer, warmup: int, steps: int):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         trainer.train_step()
-    trainer.settle_skips()
+    trainer.skips.settle()
     sync()
     # Kernels only: recording every CPU op would slow the host enough to starve the GPU.
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         started = time.perf_counter()
         for _ in range(steps):
             trainer.train_step()
-        trainer.settle_skips()
+        trainer.skips.settle()
         sync()
         wall = time.perf_counter() - started
     return prof, wall
@@ -118,7 +121,7 @@ def main() -> int:
         by_category[category(name)] += ms / args.steps
     step_ms = wall * 1000 / args.steps
     busy = sum(by_category.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     result = {**common.stamp(), "overrides": overrides, "steps": args.steps, "wall_ms_per_step": step_ms,
               "gpu_kernel_ms_per_step": busy, "by_category_ms_per_step": dict(by_category),
               "top_kernels_ms_per_step": [(n, ms / args.steps) for n, ms in top]}

@@ -5,7 +5,7 @@
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
-#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head|lce-tests|profile
+#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -63,6 +63,11 @@ for phase in "$@"; do
     ce-head)    # the model's head (final norm, output layer, loss) with and without the fused kernel (attempt 49)
                 python3 bench/cross_entropy_head.py --sweep --name "cross-entropy-head-$BENCH_COMMIT" --out "$results" \
                   2>&1 | tail -16 ;;
+    ce-head-ab*)  # the same without the sweep, for the package with the files of .ab laid over it
+                ab_tree && PYTHONPATH=/tmp/site:/tmp/ab python3 bench/cross_entropy_head.py \
+                  --name "cross-entropy-head-ab-$BENCH_COMMIT${phase#ce-head-ab}" --out "$results" 2>&1 | tail -4 ;;
+    ce-head-*)  python3 bench/cross_entropy_head.py --name "cross-entropy-head-$BENCH_COMMIT${phase#ce-head}" \
+                  --out "$results" 2>&1 | tail -4 ;;
     lce-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py \
                   "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" \
                   > "$results/test_lce-$BENCH_COMMIT.log" 2>&1

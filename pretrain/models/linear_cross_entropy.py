@@ -73,14 +73,12 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        # The incoming gradient scales the smaller operand of each product: [rows, dim] either way,
-        # where scaling the weight's gradient would be a pass over [vocab, dim] (1.5 ms a step at 1B).
         hidden, weight, grad_logits = ctx.saved_tensors
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_hidden = (grad_logits @ weight).mul_(grad_loss)
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_logits.t() @ (hidden * grad_loss)
+            grad_weight = (grad_logits.t() @ hidden).mul_(grad_loss)
         return grad_hidden, grad_weight, None
 
 

@@ -5,7 +5,7 @@
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
-#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|kernel-sources
+#                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|profile-fp8|kernel-sources
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -75,6 +75,9 @@ for phase in "$@"; do
     profile)    # one step's GPU time by kernel, through the Trainer (1B, micro-batch 8, bf16)
                 python3 bench/profile_step.py --name "profile-1b-mb8-$BENCH_COMMIT" --out "$results" \
                   --runs /tmp/bench-runs 2>&1 | tail -3; sed -n 6,20p "$results/profile-1b-mb8-$BENCH_COMMIT.md" ;;
+    profile-fp8)  # the same with FP8 tensorwise (torchao's wheel in .whl/)
+                python3 bench/profile_step.py --name "profile-1b-mb8-fp8-$BENCH_COMMIT" --out "$results" \
+                  --runs /tmp/bench-runs precision=fp8 2>&1 | tail -3; sed -n 6,20p "$results/profile-1b-mb8-fp8-$BENCH_COMMIT.md" ;;
     kernel-sources)  # Inductor's generated code of the bf16 runs of this call (which kernel fuses what)
                 mkdir -p "$results/kernels-$BENCH_COMMIT"
                 grep -rl --include='*.py' -e 'triton_per_fused' -e 'triton_red_fused' /tmp/bench-runs/*bf16*/cache/compile \

@@ -6,6 +6,7 @@ the run's own metrics.jsonl: what users run is what is measured.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -32,6 +33,22 @@ def shape_1b() -> ModelConfig:
     from pretrain.config import ModelConfig
 
     return ModelConfig(**yaml.safe_load((REPO / "conf" / "model" / "llama-1b.yaml").read_text()))
+
+
+def kernel_benchmark_args(description: str, name: str) -> argparse.Namespace:
+    """The command line of a benchmark of one of the package's Triton kernels: --out, --name, --repeats, and
+    --sweep to time it at other (BLOCK, NUM_WARPS) besides the package's (see `kernel_configs`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default=name)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true")
+    return parser.parse_args()
+
+
+def kernel_configs(chosen: tuple[int, int], sweep: bool, others: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (BLOCK, NUM_WARPS) to time: the package's choice first, then with --sweep the others."""
+    return [chosen] + ([c for c in others if c != chosen] if sweep else [])
 
 
 def launch(overrides: list[str], run_dir: Path, timeout_s: float, log_path: Path, repo: Path = REPO,

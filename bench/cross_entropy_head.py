@@ -15,7 +15,6 @@ times the kernel alone at other block sizes and warps (linear_cross_entropy's BL
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -102,16 +101,11 @@ def kernel_times(cfg: ModelConfig, repeats: int, configs: list[tuple[int, int]])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=common.RESULTS)
-    parser.add_argument("--name", default="cross_entropy_head")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true")
-    args = parser.parse_args()
+    args = common.kernel_benchmark_args(__doc__, "cross_entropy_head")
     cfg = common.shape_1b()
     chosen = (lce.BLOCK, lce.NUM_WARPS)
     times, peak = head_times(cfg, args.repeats)
-    times.update(kernel_times(cfg, args.repeats, [chosen] + ([c for c in SWEEP if c != chosen] if args.sweep else [])))
+    times.update(kernel_times(cfg, args.repeats, common.kernel_configs(chosen, args.sweep, SWEEP)))
     lce.BLOCK, lce.NUM_WARPS = chosen
     medians = {label: statistics.median(t) for label, t in times.items()}
     logits_bytes = TOKENS * cfg.vocab_size * 2

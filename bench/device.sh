@@ -72,12 +72,11 @@ for phase in "$@"; do
                   "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" \
                   > "$results/test_lce-$BENCH_COMMIT.log" 2>&1
                 tail -3 "$results/test_lce-$BENCH_COMMIT.log" ;;
-    profile)    # one step's GPU time by kernel, through the Trainer (1B, micro-batch 8, bf16)
-                python3 bench/profile_step.py --name "profile-1b-mb8-$BENCH_COMMIT" --out "$results" \
-                  --runs /tmp/bench-runs 2>&1 | tail -3; sed -n 6,20p "$results/profile-1b-mb8-$BENCH_COMMIT.md" ;;
-    profile-fp8)  # the same with FP8 tensorwise (torchao's wheel in .whl/)
-                python3 bench/profile_step.py --name "profile-1b-mb8-fp8-$BENCH_COMMIT" --out "$results" \
-                  --runs /tmp/bench-runs precision=fp8 2>&1 | tail -3; sed -n 6,20p "$results/profile-1b-mb8-fp8-$BENCH_COMMIT.md" ;;
+    profile|profile-fp8)  # one step's GPU time by kernel, through the Trainer (1B, micro-batch 8, bf16;
+                # -fp8: FP8 tensorwise, torchao's wheel in .whl/)
+                name="profile-1b-mb8${phase#profile}-$BENCH_COMMIT"
+                python3 bench/profile_step.py --name "$name" --out "$results" --runs /tmp/bench-runs \
+                  $([ "$phase" = profile-fp8 ] && echo precision=fp8) 2>&1 | tail -3; sed -n 6,20p "$results/$name.md" ;;
     kernel-sources)  # Inductor's generated code of the bf16 runs of this call (which kernel fuses what)
                 mkdir -p "$results/kernels-$BENCH_COMMIT"
                 grep -rl --include='*.py' -e 'triton_per_fused' -e 'triton_red_fused' /tmp/bench-runs/*bf16*/cache/compile \

@@ -17,7 +17,6 @@ BLOCK and NUM_WARPS are the choice).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -105,14 +104,9 @@ def timings(way: str, repeats: int, configs: list[tuple[int, int]], host: dict[s
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=common.RESULTS)
-    parser.add_argument("--name", default="optimizer_step")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true")
-    args = parser.parse_args()
+    args = common.kernel_benchmark_args(__doc__, "optimizer_step")
     chosen = (master_adamw.BLOCK, master_adamw.NUM_WARPS)
-    configs = [chosen] + [c for c in SWEEP if c != chosen] if args.sweep else [chosen]
+    configs = common.kernel_configs(chosen, args.sweep, SWEEP)
     times: dict[str, list[float]] = {}
     host: dict[str, float] = {}
     for way in BYTES:  # one at a time: both would not fit beside each other on an 80 GB card

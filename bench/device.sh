@@ -6,6 +6,7 @@
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
 #                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|profile-fp8|kernel-sources
+#                        |rope|rope-tests|ab-fp8|head-fp8[-N]
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -46,7 +47,7 @@ for phase in "$@"; do
   case $phase in
     gpu-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_components.py \
                   tests/test_checkpoint_files.py tests/test_master_adamw.py tests/test_cuda_context.py \
-                  tests/test_allocator.py tests/test_linear_cross_entropy.py > "$results/test_gpu.log" 2>&1
+                  tests/test_allocator.py tests/test_linear_cross_entropy.py tests/test_rope.py > "$results/test_gpu.log" 2>&1
                 tail -3 "$results/test_gpu.log" ;;
     master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank, and resumed
                 python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py \
@@ -68,6 +69,10 @@ for phase in "$@"; do
                   --name "cross-entropy-head-ab-$BENCH_COMMIT${phase#ce-head-ab}" --out "$results" 2>&1 | tail -4 ;;
     ce-head-*)  python3 bench/cross_entropy_head.py --name "cross-entropy-head-$BENCH_COMMIT${phase#ce-head}" \
                   --out "$results" 2>&1 | tail -4 ;;
+    rope)       # RoPE's kernel against the compiled tensor operations, one block's queries and keys (attempt 51)
+                python3 bench/rope.py --sweep --name "rope-$BENCH_COMMIT" --out "$results" 2>&1 | tail -22 ;;
+    rope-tests) python3 -m pytest -q -p no:cacheprovider -rs tests/test_rope.py > "$results/test_rope-$BENCH_COMMIT.log" 2>&1
+                tail -3 "$results/test_rope-$BENCH_COMMIT.log" ;;
     lce-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py \
                   "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" \
                   > "$results/test_lce-$BENCH_COMMIT.log" 2>&1
@@ -136,6 +141,10 @@ for phase in "$@"; do
                   2>&1 | tail -4 ;;
     ab-bf16)    ab_tree && python3 bench/throughput.py 1b-1gpu --repo /tmp/ab --name "ours-1b-1gpu-bf16-ab-$BENCH_COMMIT" \
                   --out "$results" 2>&1 | tail -4 ;;
+    ab-fp8)     ab_tree && python3 bench/throughput.py 1b-1gpu --repo /tmp/ab --name "ours-1b-1gpu-fp8-ab-$BENCH_COMMIT" \
+                  --out "$results" precision=fp8 2>&1 | tail -4 ;;
+    head-fp8*)  python3 bench/throughput.py 1b-1gpu --name "ours-1b-1gpu-fp8-$BENCH_COMMIT${phase#head-fp8}" \
+                  --out "$results" precision=fp8 2>&1 | tail -4 ;;
     ab-restart*) ab_tree && python3 bench/restart.py --repo /tmp/ab --name "restart-1b-1gpu-ab-$BENCH_COMMIT${phase#ab-restart}" \
                   --out "$results" $RESTART_ARGS 2>&1 | tail -8 ;;
     requeue-ab*)  # requeued starts of the .ab side and this tree, interleaved, from one cold job; REQUEUE_ARGS, e.g. --pairs 8

@@ -16,6 +16,7 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.models.linear_cross_entropy import LossFn, cross_entropy, linear_cross_entropy
+from pretrain.models.rope import apply_rope, rope_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -31,31 +32,6 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
-
-
-def rope_frequencies(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """Rotations (cos, sin)(t*w_k) for positions t < seq_len, shape [seq_len, head_dim/2, 2].
-
-    Real rather than complex: torch.compile cannot generate code for complex tensors (it falls
-    back to eager kernels for them), while these real products fuse into one kernel.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
-    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
-
-
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x [batch, seq, heads, head_dim] by freqs [seq, head_dim/2, 2].
-
-    The complex product (a + ib)(cos + i sin), written out in real arithmetic.
-    """
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotation = freqs[: x.shape[1]].view(1, x.shape[1], 1, -1, 2)
-    cos, sin = rotation[..., 0], rotation[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 class KVCache:

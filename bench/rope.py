@@ -3,7 +3,9 @@
     python bench/rope.py [--out bench/results] [--name rope] [--sweep]
 
 Queries [8, 4096, 16, 128] and keys [8, 4096, 8, 128] (bf16), as one block of the 1B row rotates them, go through
-two ways, alternated, each timed with CUDA events (median of --repeats), forward alone and forward with backward:
+two ways, each timed by the GPU time of the kernels it runs (torch.profiler, CUDA activity only: the host's
+dispatch of a few small kernels would otherwise be timed too), over --repeats calls, forward alone and forward
+with backward:
 - compiled: `rope.rotate`'s tensor operations under torch.compile (the package before attempt 51);
 - kernel: the Triton kernel's operator, `rope.rope_rotation` (forward, and the inverse rotation in backward).
 Both compute the same rotation; the difference is how the kernels load each pair. --sweep also times the kernel at
@@ -12,7 +14,6 @@ other (elements a program, warps) besides the package's (rope.ELEMENTS, rope.NUM
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,13 +29,16 @@ SWEEP = [(1024, 2), (2048, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (163
 BATCH, SEQ = 8, 4096
 
 
-def time_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+def device_ms(fn, repeats: int) -> float:
+    """GPU time of the kernels one call of fn runs, on average over `repeats` calls (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / 1000 / repeats
 
 
 def block_inputs(cfg) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -75,34 +79,28 @@ def main() -> int:
     cfg = common.shape_1b()
     leaves, grads, freqs = block_inputs(cfg)
     chosen = (rope.ELEMENTS, rope.NUM_WARPS)
-    times: dict[str, list[float]] = {}
+    kernel_ms: dict[str, float] = {}
     for elements, warps in common.kernel_configs(chosen, args.sweep, SWEEP):
         rope.ELEMENTS, rope.NUM_WARPS = elements, warps
         suffix = "" if (elements, warps) == chosen else f" {elements}/{warps}"
-        fns = {label + suffix: fn for label, fn in ways(cfg, leaves, grads, freqs).items()
-               if not (suffix and label.startswith("compiled"))}
-        for fn in fns.values():
+        for label, fn in ways(cfg, leaves, grads, freqs).items():
+            if suffix and label.startswith("compiled"):
+                continue
             for _ in range(3):
                 fn()
-        for label in fns:
-            times[label] = []
-        for _ in range(args.repeats):
-            for label, fn in fns.items():
-                times[label].append(time_ms(fn))
+            kernel_ms[label + suffix] = device_ms(fn, args.repeats)
     rope.ELEMENTS, rope.NUM_WARPS = chosen
-    medians = {label: statistics.median(t) for label, t in times.items()}
     moved = sum(leaf.numel() for leaf in leaves) * 2 * 2  # bf16, read once and written once
     result = {**common.stamp(), "batch": BATCH, "seq": SEQ, "heads": [cfg.n_heads, cfg.kv_heads],
               "head_dim": cfg.dim // cfg.n_heads, "repeats": args.repeats, "chosen": list(chosen),
-              "bytes_each_way": moved, "ms": times, "median_ms": medians}
-    rows = ["| way | median ms | min-max ms | GB/s (q and k read and written once a direction) |", "|---|---|---|---|"]
-    for label, t in times.items():
+              "bytes_each_way": moved, "kernel_ms": kernel_ms}
+    rows = ["| way | kernels' ms a call | GB/s (q and k read and written once a direction) |", "|---|---|---|"]
+    for label, ms in kernel_ms.items():
         directions = 2 if "backward" in label else 1
-        rows.append(f"| {label} | {medians[label]:.3f} | {min(t):.3f}-{max(t):.3f} | "
-                    f"{directions * moved / medians[label] / 1e6:,.0f} |")
-    saved = medians["compiled forward+backward"] - medians["kernel forward+backward"]
-    rows.append(f"\nOne block, queries and keys, forward and backward: compiled {medians['compiled forward+backward']:.3f} "
-                f"ms, kernel {medians['kernel forward+backward']:.3f} ms; {cfg.n_layers} blocks: {saved * cfg.n_layers:+.2f} "
+        rows.append(f"| {label} | {ms:.3f} | {directions * moved / ms / 1e6:,.0f} |")
+    saved = kernel_ms["compiled forward+backward"] - kernel_ms["kernel forward+backward"]
+    rows.append(f"\nOne block, queries and keys, forward and backward: compiled {kernel_ms['compiled forward+backward']:.3f} "
+                f"ms, kernel {kernel_ms['kernel forward+backward']:.3f} ms; {cfg.n_layers} blocks: {saved * cfg.n_layers:+.2f} "
                 "ms a micro-batch saved")
     common.write_result(args.out, args.name, result, "\n".join(rows))
     print("\n".join(rows))

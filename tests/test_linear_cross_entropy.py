@@ -98,6 +98,25 @@ def test_kernel_without_gradients_reads_the_logits_and_writes_only_the_losses(de
     run_check("check_without_gradients_the_loss_alone", device)
 
 
+def check_backward_scales_by_the_float32_gradient(device: torch.device, dtype_name: str) -> None:
+    """The backward's products are scaled by the loss's incoming gradient as float32: 1/3 (three micro-batches a
+    step) is not rounded to the products' dtype first, as torch's mixed-dtype `mul_` did."""
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    grad = torch.randn(3 * lce.SCALE_BLOCK + 7, device=device).to(dtype)  # a partial block at the end
+    third = torch.tensor(1 / 3, device=device)
+    want = (grad.float() * third).to(dtype)
+    lce.scale_(grad, third)
+    assert torch.equal(grad, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_scales_its_products_by_the_incoming_gradient_in_float32(device):
+    # bf16 on the GPU only: Triton's interpreter truncates where the GPU rounds to nearest.
+    for dtype_name in ("float32",) + (("bfloat16",) if device == "cuda" else ()):
+        run_check("check_backward_scales_by_the_float32_gradient", device, dtype_name)
+
+
 def test_kernel_refuses_logits_whose_rows_are_not_contiguous():
     logits = torch.zeros(10, 4).t()
     with pytest.raises(ValueError, match="contiguous rows"):

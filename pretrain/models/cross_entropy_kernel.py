@@ -33,3 +33,14 @@ def cross_entropy_rows(logits_ptr, targets_ptr, losses_ptr, row_stride, inv_rows
             x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
             tl.store(base + cols, (grad * inv_rows).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def scale_by(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
+    """x[:n_elements] (contiguous) multiplied in place by the float32 scalar at scale_ptr, in float32, rounded
+    once to x's dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    scale = tl.load(scale_ptr)
+    x = tl.load(x_ptr + offsets, mask=mask)
+    tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)

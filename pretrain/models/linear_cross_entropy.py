@@ -32,6 +32,8 @@ from pretrain.config import FUSED_LOSS_PRECISIONS
 # looping over the rows 8.6-17 ms.
 BLOCK = 16384
 NUM_WARPS = 16
+# Elements a program of the backward's scaling kernel multiplies.
+SCALE_BLOCK = 4096
 FUSED_DTYPES = tuple({"bf16": torch.bfloat16, "fp32": torch.float32}[name] for name in FUSED_LOSS_PRECISIONS)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,10 +78,21 @@ class LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, grad_logits = ctx.saved_tensors
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        # One vectorised pass over both (bf16 by a float32 scalar on the GPU): `mul_` took torch's unvectorised
-        # mixed-dtype kernel.
-        torch._foreach_mul_([g for g in (grad_hidden, grad_weight) if g is not None], grad_loss)
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                scale_(grad, grad_loss)
         return grad_hidden, grad_weight, None
+
+
+def scale_(grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """grad (contiguous) *= scale, a float32 scalar on its device, without reading it on the host.
+
+    torch's `mul_` (and `_foreach_mul_`, which falls back to it) runs a bf16 tensor times a float32 scalar
+    tensor in its unvectorised kernel for mixed dtypes, the scalar rounded to bf16 first: 1.5 ms a step of
+    the 1B row on an H100 for these two products (bench/NOTES.md, attempt 52). This kernel reads and
+    writes each element once, with the scale in float32."""
+    n = grad.numel()
+    _kernels()[1][(-(-n // SCALE_BLOCK),)](grad, scale.float(), n, BLOCK=SCALE_BLOCK, num_warps=4)
 
 
 def losses_and_gradient(logits: torch.Tensor, targets: torch.Tensor,
@@ -91,14 +104,14 @@ def losses_and_gradient(logits: torch.Tensor, targets: torch.Tensor,
         raise ValueError(f"logits {tuple(logits.shape)} (strides {logits.stride()}) and targets "
                          f"{tuple(targets.shape)}: expected [rows, vocab] with contiguous rows and [rows]")
     losses = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    _kernel()[(rows,)](logits, targets, losses, logits.stride(0), 1.0 / rows,
+    _kernels()[0][(rows,)](logits, targets, losses, logits.stride(0), 1.0 / rows,
                        N_COLS=vocab, WRITE_GRAD=write_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return losses, logits
 
 
 @functools.cache
-def _kernel():
-    """The Triton kernel, imported at first use: importing Triton is not free, and CPUs need none."""
-    from pretrain.models.cross_entropy_kernel import cross_entropy_rows
+def _kernels():
+    """The Triton kernels, imported at first use: importing Triton is not free, and CPUs need none."""
+    from pretrain.models.cross_entropy_kernel import cross_entropy_rows, scale_by
 
-    return cross_entropy_rows
+    return cross_entropy_rows, scale_by

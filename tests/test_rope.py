@@ -83,12 +83,14 @@ def test_kernel_rotates_as_the_tensor_operations_forward_and_backward(device, dt
     run_check("check_kernel_rotates_as_the_tensor_operations", device, dtype_name, head_dim, start)
 
 
-def check_compiled_blocks_keep_the_kernel(device: torch.device) -> None:
+def check_compiled_blocks_keep_the_kernel(device: torch.device, checkpointing: str) -> None:
     """The model's blocks compile as one graph (fullgraph=True): the kernel's operator must trace (its fake
-    version gives the output's shape), and a compiled model computes what the tensor operations do. On the CPU
-    `fused` is told to pick the kernel, which then runs under the interpreter."""
+    version gives the output's shape), and a compiled model computes what the tensor operations do, also with
+    the blocks checkpointed (selective: the policy recomputes the rotation in backward). On the CPU `fused` is
+    told to pick the kernel, which then runs under the interpreter."""
     from pretrain.config import ModelConfig
     from pretrain.models.llama import Transformer
+    from pretrain.parallel.parallelize import apply_activation_checkpointing
 
     torch.library.opcheck(rope_rotation, (torch.randn(2, 5, 2, 8, device=device),
                                           rope_frequencies(8, 5, 10_000.0, device), False))
@@ -102,18 +104,20 @@ def check_compiled_blocks_keep_the_kernel(device: torch.device) -> None:
     want = model(tokens[:, :-1], targets=tokens[:, 1:])
     want_grads = torch.autograd.grad(want, list(model.parameters()))
     rope.fused = lambda x: True
+    apply_activation_checkpointing(model, checkpointing)
     for block in model.layers:
         block.compile(fullgraph=True)
     got = model(tokens[:, :-1], targets=tokens[:, 1:])
     got_grads = torch.autograd.grad(got, list(model.parameters()))
     assert torch.allclose(got, want, rtol=1e-5), (got, want)
-    for name, g, w in zip(dict(model.named_parameters()), got_grads, want_grads):
+    for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads):
         assert torch.allclose(g, w, rtol=1e-4, atol=1e-6), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_blocks_keep_the_kernel_in_their_graph(device):
-    run_check("check_compiled_blocks_keep_the_kernel", device)
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+def test_compiled_blocks_keep_the_kernel_in_their_graph(device, checkpointing):
+    run_check("check_compiled_blocks_keep_the_kernel", device, checkpointing)
 
 
 def test_rotation_keeps_each_pairs_length_and_turns_it_by_its_angle():

@@ -6,7 +6,7 @@
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
 #                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|profile-fp8|kernel-sources
-#                        |rope|rope-tests|ab-fp8|head-fp8[-N]
+#                        |rope|rope-tests|ab-fp8|head-fp8[-N]|kernel-sources-fp8
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -87,6 +87,12 @@ for phase in "$@"; do
                 grep -rl --include='*.py' -e 'triton_per_fused' -e 'triton_red_fused' /tmp/bench-runs/*bf16*/cache/compile \
                   2>/dev/null | head -40 | xargs -r cp -t "$results/kernels-$BENCH_COMMIT"
                 ls "$results/kernels-$BENCH_COMMIT" | wc -l ;;
+    kernel-sources-fp8)  # the same for the FP8 runs of this call (profile-fp8, head-fp8): the kernels that cast
+                # to FP8 (their maximum's pass, the cast with the transposed copy the weight gradient reads)
+                mkdir -p "$results/kernels-fp8-$BENCH_COMMIT"
+                grep -rl --include='*.py' -e 'fp8e4nv' -e 'fp8e5' /tmp/bench-runs/*fp8*/cache/compile \
+                  2>/dev/null | head -60 | xargs -r cp -t "$results/kernels-fp8-$BENCH_COMMIT"
+                ls "$results/kernels-fp8-$BENCH_COMMIT" | wc -l ;;
     optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \

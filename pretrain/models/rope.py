@@ -24,8 +24,8 @@ NUM_WARPS = 4
 def rope_frequencies(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
     """Rotations (cos, sin)(t*w_k) for positions t < seq_len, shape [seq_len, head_dim/2, 2].
 
-    Real rather than complex: torch.compile cannot generate code for complex tensors (it falls
-    back to eager kernels for them), while these real products fuse into one kernel.
+    Real rather than complex: the kernel reads real pairs, and torch.compile cannot generate code for
+    complex tensors (it falls back to eager kernels for them).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)

@@ -13,7 +13,7 @@ def rotate_pairs(x_ptr, freqs_ptr, out_ptr, n_rows, seq, heads, stride_batch, st
     with INVERSE (the rotation's backward). In float32, written contiguous in x's dtype to out.
 
     A row is one (batch, position, head); rows run heads fastest, so a program's rows share few positions
-    and their rotations [cos, sin] (freqs, float32 [seq, HEAD_DIM/2, 2]) come from cache. Each row is loaded
+    and their rotations [cos, sin] (freqs [seq, HEAD_DIM/2, 2], float32 in the model) come from cache. Each row is loaded
     whole and split into its pairs in registers: every load and store is contiguous."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, PADDED_DIM)

@@ -8,9 +8,7 @@ computes without the kernel. Vocabularies are chosen around the kernel's block (
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from functools import partial
 
 import pytest
 import torch
@@ -19,21 +17,12 @@ import torch.nn.functional as F
 from pretrain.models import linear_cross_entropy as lce
 from pretrain.models.linear_cross_entropy import LinearCrossEntropy, cross_entropy
 
+from . import triton_checks
+from .triton_checks import DEVICES
+
 pytest.importorskip("triton", reason="the output layer's kernel is Triton's")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
-
-
-def run_check(name: str, device: str, *args) -> None:
-    """The check `name` of this module on `device`: on the CPU in a new process under Triton's interpreter."""
-    if device == "cuda":
-        globals()[name](torch.device("cuda"), *args)
-        return
-    call = f"t.{name}(t.torch.device('cpu'), *{args!r})"
-    done = subprocess.run([sys.executable, "-c", f"import tests.test_linear_cross_entropy as t; {call}"],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+run_check = partial(triton_checks.run_check, __name__)
 
 
 def inputs(device: torch.device, dtype: torch.dtype, rows: int, dim: int, vocab: int, spread: float = 1.0):

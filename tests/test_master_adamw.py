@@ -8,9 +8,7 @@ from the compute copy (one micro-batch a step) gives what reading their fp32 cas
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from functools import partial
 
 import pytest
 import torch
@@ -21,21 +19,13 @@ from pretrain.parallel.master_adamw import MasterAdamW
 from pretrain.parallel.master_weights import MasterWeights
 from pretrain.trainer.optim import build_optimizer, clip_gradients, gradients, refreshes_copy, step_unless
 
+from . import triton_checks
+from .triton_checks import DEVICES
+
 pytest.importorskip("triton", reason="MasterAdamW's kernel is Triton's")
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
-
-
-def run_check(name: str, device: str) -> None:
-    """The check `name` of this module on `device`: on the CPU in a new process under Triton's interpreter."""
-    if device == "cuda":
-        globals()[name](torch.device("cuda"))
-        return
-    done = subprocess.run([sys.executable, "-c", f"import tests.test_master_adamw as t; t.{name}(t.torch.device('cpu'))"],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+run_check = partial(triton_checks.run_check, __name__)
 
 
 def masters_and_copies(device: torch.device) -> tuple[list[nn.Parameter], dict[nn.Parameter, nn.Parameter]]:

@@ -9,9 +9,7 @@ comes transposed) and rotations that start past position 0 (generation with a ca
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from functools import partial
 
 import pytest
 import torch
@@ -19,21 +17,12 @@ import torch
 from pretrain.models import rope
 from pretrain.models.rope import rope_frequencies, rope_rotation, rotate
 
+from . import triton_checks
+from .triton_checks import DEVICES
+
 pytest.importorskip("triton", reason="the rotation's kernel is Triton's")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
-
-
-def run_check(name: str, device: str, *args) -> None:
-    """The check `name` of this module on `device`: on the CPU in a new process under Triton's interpreter."""
-    if device == "cuda":
-        globals()[name](torch.device("cuda"), *args)
-        return
-    call = f"t.{name}(t.torch.device('cpu'), *{args!r})"
-    done = subprocess.run([sys.executable, "-c", f"import tests.test_rope as t; {call}"],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+run_check = partial(triton_checks.run_check, __name__, timeout=600)
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:

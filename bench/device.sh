@@ -77,22 +77,24 @@ for phase in "$@"; do
                   "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" \
                   > "$results/test_lce-$BENCH_COMMIT.log" 2>&1
                 tail -3 "$results/test_lce-$BENCH_COMMIT.log" ;;
-    profile|profile-fp8)  # one step's GPU time by kernel, through the Trainer (1B, micro-batch 8, bf16;
-                # -fp8: FP8 tensorwise, torchao's wheel in .whl/)
-                name="profile-1b-mb8${phase#profile}-$BENCH_COMMIT"
-                python3 bench/profile_step.py --name "$name" --out "$results" --runs /tmp/bench-runs \
-                  $([ "$phase" = profile-fp8 ] && echo precision=fp8) 2>&1 | tail -3; sed -n 6,20p "$results/$name.md" ;;
+    profile|profile-fp8)  # one step's GPU time by kernel and the GPU's idle gaps, through the Trainer (1B,
+                # micro-batch 8, bf16; -fp8: FP8 tensorwise, torchao's wheel in .whl/). PROFILE_ARGS adds options
+                # (e.g. "--inductor triton.prefer_nd_tiling=True"), PROFILE_TAG a suffix to the result's name.
+                name="profile-1b-mb8${phase#profile}${PROFILE_TAG:-}-$BENCH_COMMIT"
+                python3 bench/profile_step.py --name "$name" --out "$results" --runs /tmp/bench-runs ${PROFILE_ARGS:-} \
+                  $([ "$phase" = profile-fp8 ] && echo precision=fp8) 2>&1 | tail -3; sed -n 6,40p "$results/$name.md" ;;
     kernel-sources)  # Inductor's generated code of the bf16 runs of this call (which kernel fuses what)
                 mkdir -p "$results/kernels-$BENCH_COMMIT"
                 grep -rl --include='*.py' -e 'triton_per_fused' -e 'triton_red_fused' /tmp/bench-runs/*bf16*/cache/compile \
                   2>/dev/null | head -40 | xargs -r cp -t "$results/kernels-$BENCH_COMMIT"
                 ls "$results/kernels-$BENCH_COMMIT" | wc -l ;;
-    kernel-sources-fp8)  # the same for the FP8 runs of this call (profile-fp8, head-fp8): the kernels that cast
-                # to FP8 (their maximum's pass, the cast with the transposed copy the weight gradient reads)
-                mkdir -p "$results/kernels-fp8-$BENCH_COMMIT"
-                grep -rl --include='*.py' -e 'fp8e4nv' -e 'fp8e5' /tmp/bench-runs/*fp8*/cache/compile \
-                  2>/dev/null | head -60 | xargs -r cp -t "$results/kernels-fp8-$BENCH_COMMIT"
-                ls "$results/kernels-fp8-$BENCH_COMMIT" | wc -l ;;
+    kernel-sources-fp8)  # the same for the FP8 runs of this call (profile-fp8, head-fp8): the compiled graphs'
+                # modules (each holds its kernels' sources) that cast to FP8 (their maximum's pass, the cast with
+                # the transposed copy the weight gradient reads)
+                kernels="$results/kernels-fp8${PROFILE_TAG:-}-$BENCH_COMMIT"; mkdir -p "$kernels"
+                grep -rl --include='*.py' -e 'def call(' /tmp/bench-runs/*fp8*${PROFILE_TAG:-}-$BENCH_COMMIT/cache/compile \
+                  2>/dev/null | xargs -r grep -l -e 'fp8e4nv' -e 'fp8e5' | head -20 | xargs -r cp -t "$kernels"
+                ls "$kernels" | wc -l ;;
     optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \

@@ -6,7 +6,7 @@
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
 #                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|profile-fp8|kernel-sources
-#                        |rope|rope-tests|ab-fp8|head-fp8[-N]|kernel-sources-fp8
+#                        |rope|rope-tests|ab-fp8|head-fp8[-N]|kernel-sources-fp8|kernel-bench-fp8
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -95,6 +95,18 @@ for phase in "$@"; do
                 grep -rl --include='*.py' -e 'def call(' /tmp/bench-runs/*fp8*${PROFILE_TAG:-}-$BENCH_COMMIT/cache/compile \
                   2>/dev/null | xargs -r grep -l -e 'fp8e4nv' -e 'fp8e5' | head -20 | xargs -r cp -t "$kernels"
                 ls "$kernels" | wc -l ;;
+    kernel-bench-fp8)  # after profile-fp8 run with TORCHINDUCTOR_BENCHMARK_KERNEL=1: each of its kernels whose name
+                # matches KERNEL_PATTERN (default: FP8 casts) run alone from its file: its time and GB/s, then the
+                # time of each configuration its autotuner would choose from
+                kernels="$results/kernels-fp8${PROFILE_TAG:-}-$BENCH_COMMIT"; mkdir -p "$kernels"
+                for file in $(grep -rlE --include='*.py' "^def (${KERNEL_PATTERN:-triton_.*_scaled_mm_.*})\(" \
+                    /tmp/bench-runs/*fp8*${PROFILE_TAG:-}-$BENCH_COMMIT/cache/compile 2>/dev/null \
+                    | xargs -r grep -L '^def call(args)' | head -12); do
+                  cp "$file" "$kernels/"
+                  echo "$(grep -oE '^def triton_[a-z0-9_]+' "$file" | head -1) $(basename "$file"): $(timeout 60 python3 "$file" 2>&1 | tail -1)"
+                  timeout 120 python3 -c "import importlib.util as u, sys; s = u.spec_from_file_location('k', sys.argv[1]); \
+m = u.module_from_spec(s); s.loader.exec_module(m); print('  configs:', m.benchmark_all_configs(m.get_args()))" "$file" 2>&1 | tail -1
+                done | tee "$results/kernel-bench-fp8${PROFILE_TAG:-}-$BENCH_COMMIT.txt" ;;
     optimizer-step) python3 bench/optimizer_step.py --name "optimizer-step-$BENCH_COMMIT" --out "$results" 2>&1 | tail -6 ;;
     gemm)       python3 bench/gemm_shapes.py --out "$results" 2>&1 | sed -n 1,16p ;;
     checkpoint) python3 bench/checkpoint_cost.py --async-every 110 --async-steps 240 \

@@ -58,7 +58,9 @@ def build_trainer(overrides: list[str], run_dir: Path):
     from pretrain.data import source
     from pretrain.hosts import free_port
     from pretrain.launcher import local, preparation
+    from pretrain import rundir
     from pretrain.launcher.world import world_of
+    from pretrain.parallel.parallelize import persist_compile_cache
     from pretrain.trainer import distributed, identity, logs, loop
 
     cfg = compose(overrides + [f"hydra.run.dir={run_dir}"])
@@ -70,6 +72,8 @@ def build_trainer(overrides: list[str], run_dir: Path):
     distributed.init_process_group(env, device)
     logs.setup(run_dir, env.rank)
     source.ensure(cfg)
+    if cfg.fsdp.compile:  # as a job keeps them: Inductor's generated code stays in the run directory to be read
+        persist_compile_cache(run_dir / rundir.COMPILE_CACHE)
     return loop.Trainer(cfg, env, device), cfg
 
 

@@ -196,7 +196,7 @@ class Trainer:
         Returns this rank's mean loss and the global gradient norm (device tensors: no host sync).
         A non-finite norm skips the update on every rank alike (SkippedSteps).
         """
-        self.skips.settle()
+        self.skips.settle(keep_newest=1)
         set_lr(self.optimizer, self.cfg.optim.lr * lr_factor(self.state.step, self.cfg.optim, self.cfg.train.steps))
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):

@@ -96,12 +96,14 @@ for phase in "$@"; do
                   2>/dev/null | xargs -r grep -l -e 'fp8e4nv' -e 'fp8e5' | head -20 | xargs -r cp -t "$kernels"
                 ls "$kernels" | wc -l ;;
     kernel-bench-fp8)  # after profile-fp8 run with TORCHINDUCTOR_BENCHMARK_KERNEL=1: each of its kernels whose name
-                # matches KERNEL_PATTERN (default: FP8 casts) run alone from its file: its time and GB/s, then the
-                # time of each configuration its autotuner would choose from
+                # matches KERNEL_PATTERN (default: FP8 casts) run alone from its own file (the one with Inductor's
+                # harness, get_args; not a graph's module): its time and GB/s, then the time of each configuration
+                # its autotuner would choose from. (8ac5cff's call picked the copies without the harness; the
+                # selection was fixed afterwards and checked on that call's files, not yet run on a GPU)
                 kernels="$results/kernels-fp8${PROFILE_TAG:-}-$BENCH_COMMIT"; mkdir -p "$kernels"
                 for file in $(grep -rlE --include='*.py' "^def (${KERNEL_PATTERN:-triton_.*_scaled_mm_.*})\(" \
                     /tmp/bench-runs/*fp8*${PROFILE_TAG:-}-$BENCH_COMMIT/cache/compile 2>/dev/null \
-                    | xargs -r grep -L '^def call(args)' | head -12); do
+                    | xargs -r grep -l '^def get_args' | xargs -r grep -L 'def benchmark_compiled_module' | head -16); do
                   cp "$file" "$kernels/"
                   echo "$(grep -oE '^def triton_[a-z0-9_]+' "$file" | head -1) $(basename "$file"): $(timeout 60 python3 "$file" 2>&1 | tail -1)"
                   timeout 120 python3 -c "import importlib.util as u, sys; s = u.spec_from_file_location('k', sys.argv[1]); \

@@ -85,6 +85,18 @@ def log_tail(log_path: Path, lines: int = 25) -> str:
     return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def kernel_times(prof) -> dict[str, float]:
+    """Self device time (ms) per kernel name in a torch.profiler profile (CUDA activity)."""
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us:
+            times[event.key] = times.get(event.key, 0.0) + device_us / 1000
+    return times
+
+
 def machine() -> dict[str, Any]:
     """The GPU(s), host and software the numbers were measured on."""
     import torch

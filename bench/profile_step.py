@@ -19,9 +19,9 @@ import argparse
 import ast
 import json
 import os
-import tempfile
 import re
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -56,9 +56,9 @@ def category(name: str) -> str:
 def build_trainer(overrides: list[str], run_dir: Path):
     from pretrain.compose import compose
     from pretrain.data import source
+    from pretrain import rundir
     from pretrain.hosts import free_port
     from pretrain.launcher import local, preparation
-    from pretrain import rundir
     from pretrain.launcher.world import world_of
     from pretrain.parallel.parallelize import persist_compile_cache
     from pretrain.trainer import distributed, identity, logs, loop
@@ -127,8 +127,8 @@ def device_spans(prof) -> list[tuple[float, float, str]]:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
+    return [(e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in events
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], steps: int, largest: int = 10) -> dict[str, object]:
@@ -167,18 +167,6 @@ def idle_rows(idle: dict[str, object]) -> list[str]:
     return rows
 
 
-def kernel_times(prof) -> dict[str, float]:
-    """Self device time (ms) per kernel name, over the profiled steps."""
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "self_cuda_time_total", 0)
-        if device_us:
-            times[event.key] += device_us / 1000
-    return dict(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*")
@@ -198,7 +186,7 @@ def main() -> int:
     overrides = [o for o in base if o.split("=", 1)[0] not in keys] + args.overrides
     trainer, _ = build_trainer(overrides, args.runs / args.name)
     prof, wall = profile(trainer, args.warmup, args.steps)
-    kernels = kernel_times(prof)
+    kernels = common.kernel_times(prof)
     idle = idle_gaps(device_spans(prof), args.steps)
     by_category: dict[str, float] = defaultdict(float)
     for name, ms in kernels.items():

@@ -38,7 +38,7 @@ def device_ms(fn, repeats: int) -> float:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in prof.key_averages()) / 1000 / repeats
+    return sum(common.kernel_times(prof).values()) / repeats
 
 
 def block_inputs(cfg) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:

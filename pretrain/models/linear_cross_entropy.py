@@ -92,7 +92,7 @@ def scale_(grad: torch.Tensor, scale: torch.Tensor) -> None:
     the 1B row on an H100 for these two products (bench/NOTES.md, attempt 52). This kernel reads and
     writes each element once, with the scale in float32."""
     n = grad.numel()
-    _kernels()[1][(-(-n // SCALE_BLOCK),)](grad, scale.float(), n, BLOCK=SCALE_BLOCK, num_warps=4)
+    _kernels().scale_by[(-(-n // SCALE_BLOCK),)](grad, scale.float(), n, BLOCK=SCALE_BLOCK, num_warps=4)
 
 
 def losses_and_gradient(logits: torch.Tensor, targets: torch.Tensor,
@@ -104,14 +104,14 @@ def losses_and_gradient(logits: torch.Tensor, targets: torch.Tensor,
         raise ValueError(f"logits {tuple(logits.shape)} (strides {logits.stride()}) and targets "
                          f"{tuple(targets.shape)}: expected [rows, vocab] with contiguous rows and [rows]")
     losses = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    _kernels()[0][(rows,)](logits, targets, losses, logits.stride(0), 1.0 / rows,
-                       N_COLS=vocab, WRITE_GRAD=write_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _kernels().cross_entropy_rows[(rows,)](logits, targets, losses, logits.stride(0), 1.0 / rows,
+                                           N_COLS=vocab, WRITE_GRAD=write_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return losses, logits
 
 
 @functools.cache
 def _kernels():
-    """The Triton kernels, imported at first use: importing Triton is not free, and CPUs need none."""
-    from pretrain.models.cross_entropy_kernel import cross_entropy_rows, scale_by
+    """The module of the Triton kernels, imported at first use: importing Triton is not free, and CPUs need none."""
+    from pretrain.models import cross_entropy_kernel
 
-    return cross_entropy_rows, scale_by
+    return cross_entropy_kernel

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark runs of one device-tool call, by phase (see bench/NOTES.md for what each measured):
-#   bash bench/device.sh gpu-tests[-1|-2]|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
+#   bash bench/device.sh gpu-tests[-1|-2|-3]|gemm|checkpoint|checkpoint-async|1b-1gpu|1b-2gpu|8b-2gpu|8b-mb2|8b-mb2-noac|1b-mbN
 #                        |fp8-1gpu|fp8-rowwise-1gpu|fp8-2gpu|fp8-8b|fp8-ag-2gpu|fp8-ag-8b|correctness-fp8
 #                        |side-1gpu|side-2gpu|restart|slurm-gpu|hf-roundtrip|hf-roundtrip-2gpu
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
@@ -45,15 +45,23 @@ RESTART_ARGS=${RESTART_ARGS:-}
 for phase in "$@"; do
   echo "== $phase $(date +%T)"
   case $phase in
-    gpu-tests|gpu-tests-1|gpu-tests-2)  # all GPU tests; -1 and -2 split them in two, since all took longer than
-                # one call's 10 minutes on an H100 on 2026-12-06 (tests/test_gpu.py in -1, the rest in -2)
+    gpu-tests|gpu-tests-1|gpu-tests-2|gpu-tests-3)  # all GPU tests; -1, -2 and -3 split them in three, since all
+                # took longer than one call's 10 minutes on an H100 on 2026-12-06, and the last two together
+                # more than 8 minutes later that day (tests/test_gpu.py in -1, the kernels' tests in -3)
                 first="tests/test_gpu.py"
-                rest="tests/test_components.py tests/test_checkpoint_files.py tests/test_master_adamw.py
-                  tests/test_cuda_context.py tests/test_allocator.py tests/test_linear_cross_entropy.py tests/test_rope.py
-                  tests/test_guards.py"
-                case $phase in gpu-tests-1) tests=$first ;; gpu-tests-2) tests=$rest ;; *) tests="$first $rest" ;; esac
-                python3 -m pytest -q -p no:cacheprovider -rs $tests > "$results/test_$phase-$BENCH_COMMIT.log" 2>&1
-                tail -3 "$results/test_$phase-$BENCH_COMMIT.log" ;;
+                second="tests/test_components.py tests/test_checkpoint_files.py tests/test_master_adamw.py
+                  tests/test_cuda_context.py tests/test_allocator.py"
+                third="tests/test_linear_cross_entropy.py tests/test_rope.py tests/test_guards.py"
+                case $phase in
+                  gpu-tests-1) tests=$first ;; gpu-tests-2) tests=$second ;; gpu-tests-3) tests=$third ;;
+                  *) tests="$first $second $third" ;;
+                esac
+                # Written into $OUT as it runs: a call's limit that stops the suite can stop the packing too
+                # (2026-12-06: 94 tests passed and their log did not come back)
+                log="$OUT/test_$phase-$BENCH_COMMIT.log"
+                python3 -m pytest -q -p no:cacheprovider -rs $tests > "$log" 2>&1
+                cp "$log" "$results/"
+                tail -3 "$log" ;;
     master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank, and resumed
                 python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py \
                   "tests/test_gpu.py::test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does" \

@@ -50,21 +50,34 @@ def test_too_many_skipped_steps_stop_the_run_once_their_flags_are_read():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the order of the device's queue")
 def test_the_flag_is_readable_before_the_update_it_decides_has_run():
     """The update is made to wait behind a long device sleep; the flag, taken before the update was queued,
-    is readable while the sleep still runs (before: it was taken after the update and waited for it all)."""
+    is readable while the sleep still runs (before: it was taken after the update and waited for it all).
+
+    A first step without the sleep launches every kernel the step uses and makes AdamW's state. CUDA loads
+    a kernel lazily at its first launch, and its documentation warns that the load may synchronize the
+    context: a first fused AdamW launch behind the sleep can then wait the sleep out whatever the flag's
+    order. The test's first run on an H100 (torch 2.11, 2026-12-06), without this warm-up, found the stream
+    idle as soon as the step had returned; `waited` now counts the step itself too."""
 
     class SlowAdamW(torch.optim.AdamW):
+        sleep = False
+
         def step(self, closure=None):
-            torch.cuda._sleep(4_000_000_000)  # a few seconds of device time before the update
+            if self.sleep:
+                torch.cuda._sleep(4_000_000_000)  # about 2 s of device time before the update
             return super().step(closure)
 
     param = torch.nn.Parameter(torch.ones(8, device="cuda"))
     param.grad = torch.full((8,), 0.5, device="cuda")
     optimizer = SlowAdamW([param], lr=0.1, fused=True)
     skips = SkippedSteps(max_in_a_row=5, loss_scaled=False)
-    torch.cuda.synchronize()
     skips.step(optimizer, torch.tensor(1.0, device="cuda").sqrt(), step=1, on_device=True)
-    started = time.monotonic()
     skips.settle()
+    torch.cuda.synchronize()
+    optimizer.sleep = True
+    started = time.monotonic()
+    skips.step(optimizer, torch.tensor(1.0, device="cuda").sqrt(), step=2, on_device=True)
+    skips.settle()
+    waited = time.monotonic() - started
     assert skips.skipped == 0
-    assert not torch.cuda.current_stream().query(), f"the flag was read only after the update ({time.monotonic() - started:.1f} s)"
+    assert not torch.cuda.current_stream().query(), f"the flag was read only after the update ({waited:.1f} s)"
     torch.cuda.synchronize()

@@ -13,10 +13,11 @@ from pretrain.trainer.guards import NonFiniteStepsError, SkippedSteps
 from pretrain.trainer.optim import skips_on_device
 
 
-def _param_and_optimizer(device: str = "cpu") -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+def _param_and_optimizer(device: str = "cpu", optimizer_class: type[torch.optim.AdamW] = torch.optim.AdamW,
+                         ) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
     param = torch.nn.Parameter(torch.ones(8, device=device))
     param.grad = torch.full((8,), 0.5, device=device)
-    return param, torch.optim.AdamW([param], lr=0.1, fused=True)
+    return param, optimizer_class([param], lr=0.1, fused=True)
 
 
 def test_the_newest_flag_stays_on_the_device_until_asked_for():
@@ -66,9 +67,7 @@ def test_the_flag_is_readable_before_the_update_it_decides_has_run():
                 torch.cuda._sleep(4_000_000_000)  # about 2 s of device time before the update
             return super().step(closure)
 
-    param = torch.nn.Parameter(torch.ones(8, device="cuda"))
-    param.grad = torch.full((8,), 0.5, device="cuda")
-    optimizer = SlowAdamW([param], lr=0.1, fused=True)
+    _, optimizer = _param_and_optimizer("cuda", SlowAdamW)
     skips = SkippedSteps(max_in_a_row=5, loss_scaled=False)
     skips.step(optimizer, torch.tensor(1.0, device="cuda").sqrt(), step=1, on_device=True)
     skips.settle()

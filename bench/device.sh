@@ -6,7 +6,7 @@
 #                        |attention|side-bf16|side-fp8|ab-bf16|ab-restart[-N]|head-bf16[-N]|restart[-N]|correctness|correctness-mb32
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
 #                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|profile-fp8|kernel-sources
-#                        |rope|rope-tests|ab-fp8|head-fp8[-N]|kernel-sources-fp8|kernel-bench-fp8
+#                        |rope|rope-tests|guards-tests|ab-fp8|head-fp8[-N]|map-fp8[-N]|kernel-sources-fp8|kernel-bench-fp8
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -84,6 +84,9 @@ for phase in "$@"; do
                   --out "$results" 2>&1 | tail -4 ;;
     rope)       # RoPE's kernel against the compiled tensor operations, one block's queries and keys (attempt 51)
                 python3 bench/rope.py --sweep --name "rope-$BENCH_COMMIT" --out "$results" 2>&1 | tail -22 ;;
+    guards-tests)  # the skipped-step flag readable before the update it decides (attempt 53), written into $OUT as it runs
+                python3 -m pytest -q -p no:cacheprovider -rs tests/test_guards.py > "$OUT/test_guards-$BENCH_COMMIT.log" 2>&1
+                cp "$OUT/test_guards-$BENCH_COMMIT.log" "$results/"; tail -3 "$results/test_guards-$BENCH_COMMIT.log" ;;
     rope-tests) python3 -m pytest -q -p no:cacheprovider -rs tests/test_rope.py > "$results/test_rope-$BENCH_COMMIT.log" 2>&1
                 tail -3 "$results/test_rope-$BENCH_COMMIT.log" ;;
     lce-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py \
@@ -161,6 +164,10 @@ m = u.module_from_spec(s); s.loader.exec_module(m); print('  configs:', m.benchm
     cdt-bf16)   # Inductor's coordinate-descent tuning of its Triton kernels' launch settings (attempt 27)
                 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 python3 bench/throughput.py 1b-1gpu \
                   --name "ours-1b-1gpu-bf16-cdt-$BENCH_COMMIT" --out "$results" 2>&1 | tail -4 ;;
+    map-fp8*)   # Inductor's pointwise autotuning (more block-size configurations for pointwise kernels only), for
+                # FP8's casts, the transposing one at about 2 TB/s (attempt 56); run between head-fp8-1 and head-fp8-2
+                TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1 python3 bench/throughput.py 1b-1gpu \
+                  --name "ours-1b-1gpu-fp8-map-$BENCH_COMMIT${phase#map-fp8}" --out "$results" precision=fp8 2>&1 | tail -4 ;;
     autotune-bf16*)  # Inductor's GEMM autotuning: per shape, Triton's templates against cuBLAS, and the pointwise
                 # work around a matmul (SwiGLU's product, a norm's scale, a residual add) fused into the template
                 # where that measures faster. Attempt 48: +0.3%, within two runs' spread, for 151 s of compiling;

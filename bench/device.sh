@@ -41,6 +41,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$results/
 ab_tree() { rm -rf /tmp/ab && mkdir /tmp/ab && cp -r pretrain conf pyproject.toml /tmp/ab/ && cp -r "${AB:-.ab}"/. /tmp/ab/; }
 # Extra arguments of every restart phase, e.g. RESTART_ARGS="--repeats 2 --every 5 --skip-empty-cache".
 RESTART_ARGS=${RESTART_ARGS:-}
+# A test phase: pytest's log written into $OUT as it runs, since a call's limit that stops the tests can stop the
+# packing too (2026-12-06: 94 tests passed and their log did not come back), then copied among the results.
+run_tests() {
+  local log="$OUT/test_$1-$BENCH_COMMIT.log"; shift
+  python3 -m pytest -q -p no:cacheprovider -rs "$@" > "$log" 2>&1
+  cp "$log" "$results/"; tail -3 "$log"
+}
 
 for phase in "$@"; do
   echo "== $phase $(date +%T)"
@@ -56,22 +63,13 @@ for phase in "$@"; do
                   gpu-tests-1) tests=$first ;; gpu-tests-2) tests=$second ;; gpu-tests-3) tests=$third ;;
                   *) tests="$first $second $third" ;;
                 esac
-                # Written into $OUT as it runs: a call's limit that stops the suite can stop the packing too
-                # (2026-12-06: 94 tests passed and their log did not come back)
-                log="$OUT/test_$phase-$BENCH_COMMIT.log"
-                python3 -m pytest -q -p no:cacheprovider -rs $tests > "$log" 2>&1
-                cp "$log" "$results/"
-                tail -3 "$log" ;;
+                run_tests "$phase" $tests ;;
     master-tests)  # one process's master weights and their optimizer, against FSDP2 at one rank, and resumed
-                python3 -m pytest -q -p no:cacheprovider -rs tests/test_master_adamw.py \
+                run_tests master tests/test_master_adamw.py \
                   "tests/test_gpu.py::test_one_gpu_trains_compiled_and_unwrapped_as_fsdp_does" \
-                  "tests/test_gpu.py::test_one_gpu_resumes_its_optimizer_state" \
-                  > "$results/test_master-$BENCH_COMMIT.log" 2>&1
-                tail -3 "$results/test_master-$BENCH_COMMIT.log" ;;
+                  "tests/test_gpu.py::test_one_gpu_resumes_its_optimizer_state" ;;
     context-tests)  # the CUDA context made in a thread during the job's imports, on the GPU torch then drives
-                python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_context.py \
-                  > "$results/test_cuda_context-$BENCH_COMMIT.log" 2>&1
-                tail -3 "$results/test_cuda_context-$BENCH_COMMIT.log" ;;
+                run_tests cuda_context tests/test_cuda_context.py ;;
     cuda-start) python3 bench/cuda_start.py --repeats ${CUDA_START_REPEATS:-5} --name "cuda-start-$BENCH_COMMIT" \
                   --out "$results" 2>&1 | tail -8 ;;
     ce-head)    # the model's head (final norm, output layer, loss) with and without the fused kernel (attempt 49)
@@ -84,15 +82,11 @@ for phase in "$@"; do
                   --out "$results" 2>&1 | tail -4 ;;
     rope)       # RoPE's kernel against the compiled tensor operations, one block's queries and keys (attempt 51)
                 python3 bench/rope.py --sweep --name "rope-$BENCH_COMMIT" --out "$results" 2>&1 | tail -22 ;;
-    guards-tests)  # the skipped-step flag readable before the update it decides (attempt 53), written into $OUT as it runs
-                python3 -m pytest -q -p no:cacheprovider -rs tests/test_guards.py > "$OUT/test_guards-$BENCH_COMMIT.log" 2>&1
-                cp "$OUT/test_guards-$BENCH_COMMIT.log" "$results/"; tail -3 "$results/test_guards-$BENCH_COMMIT.log" ;;
-    rope-tests) python3 -m pytest -q -p no:cacheprovider -rs tests/test_rope.py > "$results/test_rope-$BENCH_COMMIT.log" 2>&1
-                tail -3 "$results/test_rope-$BENCH_COMMIT.log" ;;
-    lce-tests)  python3 -m pytest -q -p no:cacheprovider -rs tests/test_linear_cross_entropy.py \
-                  "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" \
-                  > "$results/test_lce-$BENCH_COMMIT.log" 2>&1
-                tail -3 "$results/test_lce-$BENCH_COMMIT.log" ;;
+    guards-tests)  # the skipped-step flag readable before the update it decides (attempt 53)
+                run_tests guards tests/test_guards.py ;;
+    rope-tests) run_tests rope tests/test_rope.py ;;
+    lce-tests)  run_tests lce tests/test_linear_cross_entropy.py \
+                  "tests/test_gpu.py::test_compiled_loss_matches_eager_on_fp16_logits" ;;
     profile|profile-fp8)  # one step's GPU time by kernel and the GPU's idle gaps, through the Trainer (1B,
                 # micro-batch 8, bf16; -fp8: FP8 tensorwise, torchao's wheel in .whl/). PROFILE_ARGS adds options
                 # (e.g. "--inductor triton.prefer_nd_tiling=True"), PROFILE_TAG a suffix to the result's name.

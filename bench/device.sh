@@ -54,7 +54,8 @@ for phase in "$@"; do
   case $phase in
     gpu-tests|gpu-tests-1|gpu-tests-2|gpu-tests-3)  # all GPU tests; -1, -2 and -3 split them in three, since all
                 # took longer than one call's 10 minutes on an H100 on 2026-12-06, and the last two together
-                # more than 8 minutes later that day (tests/test_gpu.py in -1, the kernels' tests in -3)
+                # more than 8 minutes later that day (tests/test_gpu.py in -1, the kernels' tests in -3); at 2c4de4f,
+                # another H100, they took about 4, 1.5 and 4 minutes: -1 and -2 in one call, -3 in another
                 first="tests/test_gpu.py"
                 second="tests/test_components.py tests/test_checkpoint_files.py tests/test_master_adamw.py
                   tests/test_cuda_context.py tests/test_allocator.py"

@@ -9,6 +9,8 @@ background thread), how much it slows a Python loop and CUDA allocations on the 
 copy's rate and how long the host spends issuing it, that the bytes arrive intact, and unregistering.
 
     python bench/host_register_probe.py --size-gib 8 --out bench/results
+
+Writes NAME.json and NAME.md under --out.
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ import ctypes
 import json
 import mmap
 import os
-import subprocess
+import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-PORTABLE, READ_ONLY = 0x01, 0x08
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 ATTR_HOST_REGISTER, ATTR_READ_ONLY_HOST_REGISTER = 99, 113
 PIECE = 1 << 30
 
@@ -61,7 +68,8 @@ def python_loop() -> float:
     start, table = time.perf_counter(), {}
     for i in range(400_000):
         table[str(i)] = len(table) % 7
-        compile("x = 1", "<probe>", "exec") if i % 1000 == 0 else None
+        if i % 1000 == 0:
+            compile("x = 1", "<probe>", "exec")
     return time.perf_counter() - start
 
 
@@ -76,7 +84,6 @@ def cuda_allocations() -> float:
 
 
 def register(base: int, nbytes: int, flags: int, times: list[float], errors: list[int]) -> None:
-    torch.cuda.set_device(torch.cuda.current_device())
     cudart = torch.cuda.cudart()
     for offset in range(0, nbytes, PIECE):
         start = time.perf_counter()
@@ -112,8 +119,8 @@ def probe_mode(path: Path, nbytes: int, name: str, private: bool, flags: int, ba
         loops.append(python_loop())
         allocations.append(cuda_allocations())
     worker.join()
-    result["python_loop_during_s"] = sorted(loops)[len(loops) // 2] if loops else None
-    result["cuda_allocations_during_s"] = sorted(allocations)[len(allocations) // 2] if allocations else None
+    result["python_loop_during_s"] = statistics.median(loops) if loops else None
+    result["cuda_allocations_during_s"] = statistics.median(allocations) if allocations else None
     result["main_thread_rounds"] = len(loops)
     result["register_s"] = round(time.perf_counter() - start, 3)
     result["register_pieces_s"] = [round(t, 3) for t in times]
@@ -157,20 +164,33 @@ def pinned_copy_rate(nbytes: int = 4 << 30) -> float:
     return copy_to_gpu(host, nbytes)["copy_gbps"]
 
 
+def table(report: dict) -> str:
+    rows = ["| mode | error | register (s) | GB/s | Python loop during / alone (s) | CUDA allocations during / alone (s) "
+            "| copy (s) | copy GB/s | host issuing (s) | intact | unregister (s) |", "|---" * 11 + "|"]
+    for m in report["modes"]:
+        rows.append(f"| {m['mode']} | {m['error']} | {m['register_s']} | {m['register_gbps']} "
+                    f"| {m['python_loop_during_s']} / {m['python_loop_alone_s']:.3f} "
+                    f"| {m['cuda_allocations_during_s']} / {m['cuda_allocations_alone_s']:.3f} "
+                    f"| {m.get('copy_s')} | {m.get('copy_gbps')} | {m.get('copy_issue_s')} | {m.get('intact')} "
+                    f"| {m['unregister_s']} |")
+    return (f"A file of {report['size_gib']} GiB in the page cache, registered in 1 GiB pieces by a background thread; "
+            f"kernel {report['kernel']}; device attributes {report['attributes']}; the same bytes from a pinned buffer: "
+            f"{report['pinned_buffer_copy_gbps']} GB/s.\n\n" + "\n".join(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=int, default=8)
     parser.add_argument("--dir", default="/tmp")
     parser.add_argument("--name", default="host-register-probe")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
     args = parser.parse_args()
     nbytes = args.size_gib << 30
     torch.cuda.init()
     path = Path(args.dir) / "host-register-probe.bin"
     make_file(path, nbytes)
-    report = {"name": args.name, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "size_gib": args.size_gib,
-              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "kernel": os.uname().release, "attributes": device_attributes()}
+    report = {**common.stamp(), "size_gib": args.size_gib, "kernel": os.uname().release,
+              "attributes": device_attributes()}
     report["warm_read_s"] = round(warm(path), 2)
     report["pinned_buffer_copy_gbps"] = pinned_copy_rate()
     python_loop(), cuda_allocations()  # once first: their own first-call costs out of the baseline
@@ -182,11 +202,7 @@ def main() -> None:
         report["modes"].append(probe_mode(path, nbytes, name, private, flags, baseline))
         print(json.dumps(report["modes"][-1]), flush=True)
     path.unlink()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "modes"}))
-    subprocess.run(["free", "-g"], check=False)
+    print(common.write_result(args.out, args.name, report, table(report)).read_text())
 
 
 if __name__ == "__main__":

@@ -315,11 +315,15 @@ class Registration:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's note that it cannot mark a tensor read-only
             self.host = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        torch.cuda.set_device(device)  # a new thread starts on GPU 0: no context there for another GPU's rank
-        code = int(torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.size, _READ_ONLY))
+        try:
+            torch.cuda.set_device(device)  # a new thread starts on GPU 0: no context there for another GPU's rank
+            code = int(torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.size, _READ_ONLY))
+        except BaseException:
+            self._unmap()
+            raise
         if code:
             self._unmap()
-            raise OSError(f"CUDA cannot register {path.name} for copies (cudaError {code})")
+            raise OSError(f"CUDA cannot register it for copies (cudaError {code})")
 
     def release(self) -> None:
         """Unregister and unmap; only once every copy from it has finished."""
@@ -370,7 +374,7 @@ class RegisteredFiles:
         except Exception as err:  # noqa: BLE001 - whatever stops it, the load reads the file as before
             with self._lock:
                 self._used -= size
-                self.failure = self.failure or str(err)
+                self.failure = self.failure or f"{path.name}: {err}"
             return
         with self._lock:
             if not self._taken:

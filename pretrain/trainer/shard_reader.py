@@ -108,6 +108,7 @@ class ParallelReader(dcp.FileSystemReader):
         for event, device in copies:  # training's stream, not the host, waits for the copies from registered files
             torch.cuda.current_stream(device).wait_event(event)
         _release_after([event for event, _ in copies], self.registered)
+        self.registered = {}  # released once those copies are done: no later read may use them
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future

@@ -7,7 +7,7 @@
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
 #                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|profile-fp8|kernel-sources
 #                        |rope|rope-tests|guards-tests|ab-fp8|head-fp8[-N]|map-fp8[-N]|kernel-sources-fp8|kernel-bench-fp8
-#                        |register-probe
+#                        |register-probe|register-tests
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -87,6 +87,8 @@ for phase in "$@"; do
     guards-tests)  # the skipped-step flag readable before the update it decides (attempt 53)
                 run_tests guards tests/test_guards.py ;;
     rope-tests) run_tests rope tests/test_rope.py ;;
+    register-tests)  # loads from files registered with CUDA, alone and in a resumed job (attempt 57)
+                run_tests register tests/test_gpu.py -k "registered or loads_into_the_gpu_exactly or resumes_its_optimizer" ;;
     register-probe)  # what registering a file's page-cache pages with CUDA costs and gives (attempt 57, unmeasured)
                 python3 bench/host_register_probe.py --size-gib ${PROBE_GIB:-4} --name "host-register-probe-$BENCH_COMMIT" \
                   --out "$results" 2>&1 | grep -v Warning | tail -8 ;;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -117,6 +118,38 @@ def test_each_rank_checks_the_files_it_wrote_and_rank_0_the_others(tmp_path):
     # Checked by another number of ranks than wrote it: every file is still someone's.
     assert sorted(p for rank in range(3) for p in problems(tmp_path, rank, 3)) == [
         "__1_0.distcp fails its checksum", "extra.bin fails its checksum"]
+
+
+def test_the_shard_files_that_pass_their_check_are_handed_on_and_no_others(tmp_path):
+    """What a requeued job registers with CUDA for its load: each DCP shard file of its share that passed."""
+    names = ["__0_0.distcp", "__0_1.distcp", ".metadata", "rng/rank0.pt"]
+    (tmp_path / "rng").mkdir()
+    for index, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([index]) * 100)
+    (tmp_path / "manifest.json").write_text(json.dumps({"world_size": 1, "files": checkpoint.digest(tmp_path, names)}))
+    damage(tmp_path / "__0_1.distcp")
+    passed = []
+    assert problems(tmp_path, 0, 1, passed.append) == ["__0_1.distcp fails its checksum"]
+    assert passed == [tmp_path / "__0_0.distcp"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA registers the file here: tests/test_gpu.py loads through it")
+def test_a_file_cuda_cannot_register_is_left_to_the_pinned_buffers_and_beyond_the_budget_none_is_tried(tmp_path):
+    """Where registering fails (here: no CUDA), the failure names the file and why, and a load takes nothing, so
+    it reads every file as before; a file beyond the memory budget is not even tried."""
+    from pretrain.trainer.shard_reader import RegisteredFiles
+
+    big, small = tmp_path / "__0_0.distcp", tmp_path / "__0_1.distcp"
+    big.write_bytes(b"x" * 200)
+    small.write_bytes(b"y" * 50)
+    registered = RegisteredFiles(torch.device("cuda", 0), budget=100, threads=1)
+    registered.add(big)
+    registered.add(small)
+    deadline = time.monotonic() + 10
+    while registered.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert registered.failure is not None and registered.failure.startswith("__0_1.distcp: ")
+    assert registered.take() == {}
 
 
 def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_when_asked(

@@ -3,6 +3,8 @@
 Skipped without CUDA. Throughput is measured by bench/, never here.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -121,6 +123,55 @@ def test_a_checkpoint_loads_into_the_gpu_exactly_from_several_files_at_once(tmp_
     assert readers[0].counts.direct_bytes == sum(t.nbytes for t in tensors)
 
 
+def test_a_checkpoint_registered_with_cuda_loads_exactly_by_copies_training_waits_for(tmp_path, monkeypatch):
+    """Files registered with CUDA (mapped read-only, their page-cache pages locked) go into the GPU by one
+    asynchronous copy a tensor: every weight and optimizer value arrives, training's stream sees them without
+    the host waiting, and the registrations are released once the copies are done."""
+    import time
+
+    from pretrain.config import ModelConfig
+    from pretrain.trainer import checkpoint, shard_reader
+    from tests import helpers
+
+    monkeypatch.setattr(checkpoint, "writer_threads", lambda: 4)
+    readers, released = [], []
+    monkeypatch.setattr(checkpoint, "ParallelReader",
+                        lambda *a, **k: readers.append(shard_reader.ParallelReader(*a, **k)) or readers[-1])
+    release = shard_reader.Registration.release
+    monkeypatch.setattr(shard_reader.Registration, "release", lambda self: released.append(self) or release(self))
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8))).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.randn(4, 1024, device="cuda")).sum().backward()
+    optimizer.step()
+    with helpers.one_process_group():
+        saver = checkpoint.Checkpointer(tmp_path, keep=1, device=device)
+        path = saver.save(1, model, optimizer, {"step": 1}, ModelConfig(), "hash")
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+                optimizer.state[p]["exp_avg_sq"].zero_()
+        files = sorted(path.glob("*.distcp"))
+        registered = {str(f.resolve()): shard_reader.Registration(f, device) for f in files}
+        saver.load(path, model, optimizer, registered)
+        summed = sum(p.sum() for p in model.parameters())  # on training's stream, right after the load
+        assert summed == sum(v.sum() for v in expected.values())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    for p, moment in zip(model.parameters(), moments):
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], moment)
+    gpu_tensors = [*model.parameters(), *(v for p in model.parameters() for v in optimizer.state[p].values()
+                                          if v.is_cuda)]
+    assert readers[0].counts.registered == len(gpu_tensors)
+    deadline = time.monotonic() + 10
+    while len(released) < len(files) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(map(id, released)) == sorted(map(id, registered.values()))
+
+
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 matrix units (compute capability 8.9+)")
 def test_fp8_all_gathers_train_compiled_as_fp8_with_bf16_all_gathers_does(tmp_path):
     """FSDP2 all-gathering the FP8 layers' weights in FP8 (on one GPU as one FSDP2 rank, or two), compiled:
@@ -192,4 +243,6 @@ def test_one_gpu_resumes_its_optimizer_state(tmp_path, micro_batch):
     second = launch(*run)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "fp32 master weights" in second.stdout
+    copied = re.search(r"read as raw bytes, (\d+) of them copied by the GPU from the page cache", second.stdout)
+    assert copied and int(copied.group(1)) > 0  # registered with CUDA while the job started
     assert optimizer_step_counts(tmp_path / "checkpoints" / "step_00000008") == {8.0}

@@ -28,6 +28,8 @@ several to a file, each tensor's bytes straight into its target (`shard_reader.P
 requeued job waits for its checkpoint before its first step. So that it waits less, the job checks
 its newest checkpoint from its first moments (`VerifyAhead`), while the process group, the preflight
 and the model are set up; that read also leaves the rank's files in the node's page cache for the load.
+On a GPU each file that passes is then registered with CUDA (`shard_reader.RegisteredFiles`), so that
+the load's copies come from the page cache by DMA and run on while the job traces its first step.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,9 +57,9 @@ from pretrain.config import ModelConfig
 from pretrain.parallel.float8 import plain_tensors
 from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, CheckpointError, complete_checkpoints, model_shape,
                              read_manifest, step_dir_name, step_of)
-from pretrain.trainer import resilience
+from pretrain.trainer import resilience, shard_reader
 from pretrain.trainer.distributed import all_agree, collective_failed
-from pretrain.trainer.shard_reader import ParallelReader
+from pretrain.trainer.shard_reader import ParallelReader, RegisteredFiles, Registration
 from pretrain.trainer.staging import HostStaging
 
 log = logging.getLogger(__name__)
@@ -189,12 +191,13 @@ def writer_of(name: str) -> int | None:
 _WRITER = re.compile(r"__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt")
 
 
-def problems(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+def problems(path: Path, rank: int = 0, world_size: int = 1,
+             passed: Callable[[Path], None] | None = None) -> list[str]:
     """What is wrong with a checkpoint folder's files: with world_size ranks checking, rank's share.
 
     Written by as many ranks as check it, each rank checks the files it wrote, which are those it will
     load (on a node of its own, the read leaves them in that node's page cache); otherwise every
-    world_size-th file from rank.
+    world_size-th file from rank. `passed` is called with each shard file that passes, in the checking thread.
     """
     try:
         manifest = read_manifest(path)
@@ -216,6 +219,8 @@ def problems(path: Path, rank: int = 0, world_size: int = 1) -> list[str]:
             return f"{name} has {file.stat().st_size} bytes, not {files[name]['size']}"
         if crc32_of(file) != files[name]["crc32"]:
             return f"{name} fails its checksum"
+        if passed is not None and name.endswith(".distcp"):
+            passed(file)
         return None
 
     # Several files at a time, as they were written: one after the other, a resume of the 1B shape
@@ -229,16 +234,19 @@ class VerifyAhead:
     started before the process group exists: a requeued job's start-up then overlaps it.
 
     `verify` takes its result for that folder; any other folder (an older one after a damaged newest,
-    or one `tidy` published meanwhile) is checked when asked.
+    or one `tidy` published meanwhile) is checked when asked. With `registered`, each shard file that
+    passes is registered with CUDA for the load (`shard_reader.RegisteredFiles`).
     """
 
-    def __init__(self, root: Path, rank: int, world_size: int) -> None:
+    def __init__(self, root: Path, rank: int, world_size: int, registered: RegisteredFiles | None = None) -> None:
         found = complete_checkpoints(root)
         self.path: Path | None = found[-1] if found else None
         self._result: Future | None = None
+        self._registered = registered
         if self.path is not None:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify")
-            self._result = pool.submit(problems, self.path, rank, world_size)
+            self._result = pool.submit(problems, self.path, rank, world_size,
+                                       registered.add if registered is not None else None)
             pool.shutdown(wait=False)
 
     def problems_of(self, path: Path) -> list[str] | None:
@@ -246,6 +254,19 @@ class VerifyAhead:
         if self._result is None or path != self.path:
             return None
         return self._result.result()
+
+    def registrations(self, path: Path | None) -> dict[str, Registration]:
+        """The registered files of `path` for its load (which releases them); for another folder, or None when
+        nothing is loaded, none (and those registered are released)."""
+        if self._registered is None:
+            return {}
+        files = self._registered.take()  # taken either way: nothing more is registered once a load starts
+        if self._registered.failure:
+            log.info("checkpoint files are read through pinned buffers: %s", self._registered.failure)
+        if path == self.path:
+            return files
+        shard_reader.release_now(files)
+        return {}
 
 
 def verify(path: Path, ahead: VerifyAhead | None = None) -> list[str]:
@@ -432,11 +453,13 @@ class Checkpointer:
         for old in complete_checkpoints(self.root)[: -self.keep]:
             remove(old)
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restore model, optimizer and this rank's RNG; returns the saved training state."""
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             registered: dict[str, Registration] | None = None) -> dict[str, Any]:
+        """Restore model, optimizer and this rank's RNG; returns the saved training state. Copies from
+        `registered` files may still run when it returns: training's stream waits for them."""
         model_sd, optim_sd = _state_dicts(model, optimizer)
         state = {MODEL_STATE: model_sd, "optim": optim_sd}
-        reader = ParallelReader(path, threads=reader_threads())
+        reader = ParallelReader(path, threads=reader_threads(), registered=registered)
         dcp.load(state, storage_reader=reader)
         unloaded = reader.not_requested()
         if unloaded:
@@ -447,8 +470,9 @@ class Checkpointer:
                 "The checkpoint is unchanged; this is a fault of pretrain's state, not of the files: report it "
                 "with this message")
         counts = reader.counts  # the load's time is logged by its caller, with the step it resumed
-        log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d items through torch.load", path.name,
-                 counts.direct, counts.direct_bytes / 2**30, counts.through_dcp)
+        log.info("%s: %d tensors (%.1f GiB) read as raw bytes, %d of them copied by the GPU from the page cache; "
+                 "%d items through torch.load", path.name, counts.direct, counts.direct_bytes / 2**30,
+                 counts.registered, counts.through_dcp)
         set_state_dict(model, optimizer, model_state_dict=state[MODEL_STATE], optim_state_dict=state["optim"])
         rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming with more processes than saved

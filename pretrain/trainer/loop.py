@@ -393,6 +393,8 @@ class Trainer:
             rundir.check_compatible(path, self.cfg.model)
             self.load(path)
             return path
+        if self.verify_ahead is not None:
+            self.verify_ahead.registrations(None)  # nothing loaded: the files registered ahead are released
         damaged = rundir.damaged_checkpoints(root)
         if damaged and not self.cfg.train.start_from_scratch:
             raise TrainingError(rundir.all_damaged_message(damaged))
@@ -412,7 +414,8 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         started = time.perf_counter()
-        saved = self.checkpointer.load(path, self.weights, self.optimizer)
+        registered = self.verify_ahead.registrations(path) if self.verify_ahead is not None else None
+        saved = self.checkpointer.load(path, self.weights, self.optimizer, registered)
         self.parallel.weights_changed()
         seconds = time.perf_counter() - started
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
@@ -499,7 +502,10 @@ def run(cfg: Config) -> dict[str, Any]:
     # Listen before the slow start-up: a signal during it must not kill the job uncheckpointed.
     stop = resilience.StopRequest()
     stop.install()
-    verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size)
+    registered = (shard_reader.RegisteredFiles(device, shard_reader.memory_budget(env.local_world_size))
+                  if device.type == "cuda" else None)
+    verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size,
+                                          registered)
     if verify_ahead.path is not None and device.type == "cuda":
         threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(device, checkpoint.reader_threads()),
                          name="checkpoint-buffers", daemon=True).start()

@@ -11,6 +11,10 @@ which releases the GIL while it reads: on the CPU into the target itself, into a
 buffers that take turns, copied by a CUDA stream of the thread's own. Anything else (byte items, a load
 that reshards across columns, a dtype change, a file format this module does not know) goes through
 FileSystemReader's own path, unchanged.
+
+A file registered with CUDA ahead of the load (`RegisteredFiles`: mapped read-only, its page-cache pages
+locked) goes into the GPU without any of that: one asynchronous copy a tensor, by the GPU's copy engine,
+which training's stream waits for instead of the host, so the load returns while the bytes still travel.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ import collections
 import ctypes
 import io
 import math
+import mmap
 import os
 import pickle
 import struct
 import sys
+import threading
+import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,19 +54,23 @@ class ReadCounts:
     direct: int = 0
     direct_bytes: int = 0
     through_dcp: int = 0
+    registered: int = 0  # of the direct ones, those the GPU copied from registered files
 
     def add(self, other: ReadCounts) -> None:
         self.direct += other.direct
         self.direct_bytes += other.direct_bytes
         self.through_dcp += other.through_dcp
+        self.registered += other.registered
 
 
 class ParallelReader(dcp.FileSystemReader):
     """DCP's file reader, with `threads` threads reading and tensors read as raw bytes where they can be."""
 
-    def __init__(self, path: str | os.PathLike, threads: int) -> None:
+    def __init__(self, path: str | os.PathLike, threads: int,
+                 registered: dict[str, Registration] | None = None) -> None:
         super().__init__(path)
         self.threads = threads
+        self.registered = registered or {}  # resolved file path -> its registration, taken for this load
         self.counts = ReadCounts()
         self._dtypes: dict[str, torch.dtype] = {}
         self._saved: set[str] = set()
@@ -88,8 +100,15 @@ class ParallelReader(dcp.FileSystemReader):
         with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="checkpoint-read") as pool:
             parts = [pool.submit(self._read_run, plan, name, run, planner)
                      for name, items in per_file.items() for run in self._runs(items, runs_per_file)]
+            copies = []
             for part in parts:
-                self.counts.add(part.result())
+                counts, copied = part.result()
+                self.counts.add(counts)
+                copies += [copied] if copied is not None else []
+        for event, device in copies:  # training's stream, not the host, waits for the copies from registered files
+            torch.cuda.current_stream(device).wait_event(event)
+        _release_after([event for event, _ in copies], self.registered)
+        self.registered = {}  # released once those copies are done: no later read may use them
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
@@ -106,10 +125,13 @@ class ParallelReader(dcp.FileSystemReader):
             filled += size
         return runs + [run] if run else runs
 
-    def _read_run(self, plan: LoadPlan, name: str, items: list[ReadItem], planner: LoadPlanner) -> ReadCounts:
-        """Read a run of one file's items: the raw ones here, the rest through FileSystemReader.read_data."""
+    def _read_run(self, plan: LoadPlan, name: str, items: list[ReadItem],
+                  planner: LoadPlanner) -> tuple[ReadCounts, tuple[torch.cuda.Event, torch.device] | None]:
+        """Read a run of one file's items: the raw ones here, the rest through FileSystemReader.read_data.
+        Returns what it read and, where it copied from a registered file, the event of those copies."""
         counts, rest, done = ReadCounts(), [], []
-        reading = _FileReading(str(self.fs.concat_path(self.path, name)))
+        path = str(self.fs.concat_path(self.path, name))
+        reading = _FileReading(path, self.registered.get(str(Path(path).resolve())))
         try:
             for item in items:
                 direct = self._direct_read(item, planner, reading.fd)
@@ -117,11 +139,11 @@ class ParallelReader(dcp.FileSystemReader):
                     rest.append(item)
                     continue
                 target, start = direct
-                reading.read_into(target, start)
+                counts.registered += reading.read_into(target, start)
                 done.append((item, target))
                 counts.direct += 1
                 counts.direct_bytes += target.nbytes
-            reading.finish()
+            copied = reading.finish()
         finally:
             reading.close()
         for item, target in done:
@@ -129,7 +151,7 @@ class ParallelReader(dcp.FileSystemReader):
         if rest:
             super().read_data(replace(plan, items=rest), planner).wait()
             counts.through_dcp = len(rest)
-        return counts
+        return counts, copied
 
     def _direct_read(self, item: ReadItem, planner: LoadPlanner, fd: int) -> tuple[torch.Tensor, int] | None:
         """The target and the file offset of the item's first byte, when its bytes can be read as they lie."""
@@ -276,32 +298,178 @@ def reserve_pinned_buffers(device: torch.device, threads: int) -> None:
     del buffers
 
 
-class _FileReading:
-    """One file's direct reads: its descriptor and, for GPU targets, a stream and two pinned buffers."""
+# cudaHostRegister's flag for host memory the GPU only reads: what a read-only mapping of a file allows.
+_READ_ONLY = 0x08
 
-    def __init__(self, path: str) -> None:
+
+class Registration:
+    """A checkpoint file mapped read-only and registered with CUDA: its pages stay in memory (the page cache's
+    own, not a copy), and the GPU's copy engine reads them by DMA as it reads pinned memory."""
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        self.size, self.device = path.stat().st_size, device
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's note that it cannot mark a tensor read-only
+            self.host = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        try:
+            torch.cuda.set_device(device)  # a new thread starts on GPU 0: no context there for another GPU's rank
+            code = int(torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), self.size, _READ_ONLY))
+        except BaseException:
+            self._unmap()
+            raise
+        if code:
+            self._unmap()
+            raise OSError(f"CUDA cannot register it for copies (cudaError {code})")
+
+    def release(self) -> None:
+        """Unregister and unmap; only once every copy from it has finished."""
+        torch.cuda.set_device(self.device)  # registered in that GPU's context
+        torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+        self._unmap()
+
+    def _unmap(self) -> None:
+        del self.host  # the mapping's only export: it closes once the tensor is gone
+        try:
+            self._mapping.close()
+        except BufferError:  # a view of it still lives somewhere: the mapping goes with it
+            pass
+
+
+class RegisteredFiles:
+    """A requeued job's checkpoint files registered with CUDA (`Registration`) as the check ahead passes each,
+    for the load to take: its copies then go from the page cache to the GPU while the host moves on to the
+    first step (bench/NOTES.md, attempt 57).
+
+    Registering runs in threads of its own, so the check's result never waits for it. Registered pages cannot
+    be reclaimed until released, so files are registered within `budget` bytes only; a file that fails to
+    register (a device or file system that does not allow it), or is not registered yet when the load starts,
+    is read through pinned buffers as before.
+    """
+
+    def __init__(self, device: torch.device, budget: int, threads: int = 2) -> None:
+        self.device, self.budget = device, budget
+        self._lock = threading.Lock()
+        self._files: dict[str, Registration] = {}
+        self._used = 0
+        self._taken = False
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="checkpoint-register")
+        self.failure: str | None = None
+
+    def add(self, path: Path) -> None:
+        """Queue one file for registering (registering waits on the kernel, which pins its pages)."""
+        self._pool.submit(self._register, path)
+
+    def _register(self, path: Path) -> None:
+        size = path.stat().st_size
+        with self._lock:
+            if self._taken or self.failure or size == 0 or self._used + size > self.budget:
+                return
+            self._used += size
+        try:
+            registration = Registration(path, self.device)
+        except Exception as err:  # noqa: BLE001 - whatever stops it, the load reads the file as before
+            with self._lock:
+                self._used -= size
+                self.failure = self.failure or f"{path.name}: {err}"
+            return
+        with self._lock:
+            if not self._taken:
+                self._files[str(path.resolve())] = registration
+                return
+        registration.release()  # the load started meanwhile and reads this file as before
+
+    def take(self) -> dict[str, Registration]:
+        """The files registered so far, for one load, which releases them; any registered later is released at
+        once, and none is queued after this."""
+        with self._lock:
+            self._taken = True
+            files, self._files = self._files, {}
+        self._pool.shutdown(wait=False)
+        return files
+
+
+def memory_budget(local_ranks: int) -> int:
+    """Bytes one of `local_ranks` ranks may keep registered: half of the host's available memory, shared out."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+    return available // (2 * max(1, local_ranks))
+
+
+def release_now(registered: dict[str, Registration]) -> None:
+    """Release registrations no copy has used."""
+    for registration in registered.values():
+        registration.release()
+
+
+def _release_after(copies: list[torch.cuda.Event], registered: dict[str, Registration]) -> None:
+    """Release a load's registrations once its copies have finished, in a thread that waits for them."""
+    if not registered:
+        return
+
+    def release() -> None:
+        for event in copies:
+            event.synchronize()
+        for registration in registered.values():
+            registration.release()
+
+    threading.Thread(target=release, name="checkpoint-unregister", daemon=True).start()
+
+
+class _FileReading:
+    """One file's direct reads: its descriptor and, for GPU targets, a stream and either the file's registration
+    or two pinned buffers."""
+
+    def __init__(self, path: str, registration: Registration | None = None) -> None:
         self.fd = os.open(path, os.O_RDONLY)
+        self.registration = registration
         self.stream: torch.cuda.Stream | None = None
         self.buffers: list[torch.Tensor] = []
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
+        self.asynchronous = False
 
-    def read_into(self, target: torch.Tensor, start: int) -> None:
+    def read_into(self, target: torch.Tensor, start: int) -> bool:
+        """Read the target's bytes from `start`; True where the GPU copies them from the registration."""
         if target.nbytes == 0:
-            return
+            return False
         if target.device.type == "cpu":
             _read_exactly(self.fd, _memory_of(target), start)
+        elif self.registration is not None and start + target.nbytes <= self.registration.size:
+            self._copy_registered(target, start)
+            return True
         else:
             self._read_into_gpu(target, start)
+        return False
 
-    def _read_into_gpu(self, target: torch.Tensor, start: int) -> None:
-        """Each chunk read into the pinned buffer whose copy finished, then copied on this file's stream."""
+    def _stream_for(self, target: torch.Tensor) -> torch.cuda.Stream:
         if self.stream is None:
             self.stream = torch.cuda.Stream(target.device)
             self.stream.wait_stream(torch.cuda.current_stream(target.device))  # the target's last writes
+        return self.stream
+
+    def _copy_registered(self, target: torch.Tensor, start: int) -> None:
+        """One copy by the GPU's copy engine from the registered file's pages; nothing waits for it here."""
+        stream = self._stream_for(target)
+        with torch.cuda.stream(stream):
+            target.view(-1).view(torch.uint8).copy_(self.registration.host[start:start + target.nbytes],
+                                                     non_blocking=True)
+        self.asynchronous = True
+
+    def _read_into_gpu(self, target: torch.Tensor, start: int) -> None:
+        """Each chunk read into the pinned buffer whose copy finished, then copied on this file's stream."""
+        stream = self._stream_for(target)
+        if not self.buffers:
             self.buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         flat = target.view(-1).view(torch.uint8)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             for done in range(0, target.nbytes, CHUNK_BYTES):
                 n = min(CHUNK_BYTES, target.nbytes - done)
                 turn, self.turn = self.turn, 1 - self.turn
@@ -310,12 +478,17 @@ class _FileReading:
                 buffer = self.buffers[turn]
                 _read_exactly(self.fd, _memory_of(buffer)[:n], start + done)
                 flat[done:done + n].copy_(buffer[:n], non_blocking=True)
-                self.copied[turn] = self.stream.record_event()
+                self.copied[turn] = stream.record_event()
 
-    def finish(self) -> None:
-        """Wait for the copies into the GPU: the targets are then ready for any stream."""
-        if self.stream is not None:
-            self.stream.synchronize()
+    def finish(self) -> tuple[torch.cuda.Event, torch.device] | None:
+        """Without copies from a registration, wait for the copies into the GPU: the targets are then ready for
+        any stream. With them, the event a stream of the device must wait for before it uses the targets."""
+        if self.stream is None:
+            return None
+        if self.asynchronous:
+            return self.stream.record_event(), self.stream.device
+        self.stream.synchronize()
+        return None
 
     def close(self) -> None:
         os.close(self.fd)

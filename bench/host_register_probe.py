@@ -164,13 +164,17 @@ def pinned_copy_rate(nbytes: int = 4 << 30) -> float:
     return copy_to_gpu(host, nbytes)["copy_gbps"]
 
 
+def _seconds(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3f}"
+
+
 def table(report: dict) -> str:
     rows = ["| mode | error | register (s) | GB/s | Python loop during / alone (s) | CUDA allocations during / alone (s) "
             "| copy (s) | copy GB/s | host issuing (s) | intact | unregister (s) |", "|---" * 11 + "|"]
     for m in report["modes"]:
         rows.append(f"| {m['mode']} | {m['error']} | {m['register_s']} | {m['register_gbps']} "
-                    f"| {m['python_loop_during_s']} / {m['python_loop_alone_s']:.3f} "
-                    f"| {m['cuda_allocations_during_s']} / {m['cuda_allocations_alone_s']:.3f} "
+                    f"| {_seconds(m['python_loop_during_s'])} / {_seconds(m['python_loop_alone_s'])} "
+                    f"| {_seconds(m['cuda_allocations_during_s'])} / {_seconds(m['cuda_allocations_alone_s'])} "
                     f"| {m.get('copy_s')} | {m.get('copy_gbps')} | {m.get('copy_issue_s')} | {m.get('intact')} "
                     f"| {m['unregister_s']} |")
     return (f"A file of {report['size_gib']} GiB in the page cache, registered in 1 GiB pieces by a background thread; "

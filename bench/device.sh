@@ -205,7 +205,10 @@ m = u.module_from_spec(s); s.loader.exec_module(m); print('  configs:', m.benchm
                   2>&1 | tail -8 ;;
     startup-profile)  # where a cold and a requeued start-up go (sampled, so slower than restart's figures)
                 name="startup-profiled-$BENCH_COMMIT"
-                python3 bench/restart.py --py-spy /tmp/site/bin/py-spy --name "$name" --skip-empty-cache --out "$results" \
+                # its own folder: pip --target leaves out a wheel's scripts where /tmp/site/bin already exists
+                [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --no-cache-dir \
+                  --target /tmp/pyspy .whl/py_spy*.whl || exit 1
+                python3 bench/restart.py --py-spy /tmp/pyspy/bin/py-spy --name "$name" --skip-empty-cache --out "$results" \
                   2>&1 | tail -6
                 python3 bench/startup_profile.py "$results/$name"-1-*.speedscope.json --top 60 \
                   --name "startup-profile-$BENCH_COMMIT" --out "$results" 2>&1 | head -3

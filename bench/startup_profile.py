@@ -1,4 +1,5 @@
-"""Where a job's start-up goes: py-spy samples of its rank's main thread, up to its first step.
+"""Where a job's start-up goes: py-spy samples of its rank's main thread, up to its first step, and of the
+threads that read its checkpoint.
 
     python bench/restart.py --py-spy /path/to/py-spy --name restart-profiled --skip-empty-cache
     python bench/startup_profile.py bench/results/restart-profiled-1-*.speedscope.json --name startup-profile
@@ -8,7 +9,10 @@ waiting on a file or the GPU is still the start-up's time). This reads each reco
 process that runs pretrain/train.py), keeps its main thread's samples from the process's start to the
 end of the first step (its first sample in the loop's code after a step), and writes the seconds of the package's
 frames, of its calls into other code (torch, importlib), and of the modules whose import took
-longest. Writes NAME.json and NAME.md under --out.
+longest; and, summed over the rank's checkpoint-reading threads (a requeued job's load makes them and they
+end with it, so all their samples are the start-up's), the seconds of each frame they ran. py-spy names
+a method with its class in some versions and without it in others: frames are matched by function
+name and file. Writes NAME.json and NAME.md under --out.
 
 Sampling slows Python down (compilation most of all), so the figures are shares of a profiled
 start-up, not the unprofiled seconds of bench/restart.py.
@@ -28,12 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ENTRY = "pretrain/train.py"
-# Frames of the loop after a step's train_step returns: the first sample in one ends the start-up.
-# (Trainer.started alone, which marks it in the loop, is too short to be sampled reliably.)
-AFTER_A_STEP = ("Trainer.started", "StepWatchdog.beat", "Progress.step_done", "StopRequest.agreed", "Trainer.report",
-                "Trainer.save")
+LOOP, RESILIENCE = "pretrain/trainer/loop.py", "pretrain/trainer/resilience.py"
+# Functions (name, file) of the loop after a step's train_step returns: the first sample in one ends the
+# start-up. (Trainer.started alone, which marks it in the loop, is too short to be sampled reliably.)
+AFTER_A_STEP = {("started", LOOP), ("beat", RESILIENCE), ("step_done", "pretrain/trainer/progress.py"),
+                ("agreed", RESILIENCE), ("report", LOOP), ("save", LOOP)}
 IMPORT = "_find_and_load"
-FIRST_STEP = "Trainer.train_step"  # the first step's frames, torch's included, are tabled apart
+FIRST_STEP = ("train_step", LOOP)  # Trainer.train_step: the first step's frames, torch's included, are tabled apart
+READING_THREADS = "checkpoint-read"  # shard_reader.ParallelReader's thread names: checkpoint-read_0, _1, ...
 
 
 def short(file: str) -> str:
@@ -46,21 +52,38 @@ def short(file: str) -> str:
     return file.rsplit("/", 1)[-1]
 
 
-def rank_samples(profile_doc: dict[str, Any]) -> tuple[list[list[str]], list[float]]:
-    """The rank's main-thread stacks (outermost first, as 'function (file)') and their weights.
+def function_of(frame: str) -> tuple[str, str]:
+    """('train_step', 'pretrain/trainer/loop.py') of 'Trainer.train_step (pretrain/trainer/loop.py)' or of
+    'train_step (pretrain/trainer/loop.py)'."""
+    name, file = frame.split(" (", 1)
+    return name.rsplit(".", 1)[-1], file[:-1]
+
+
+def thread_stacks(profile_doc: dict[str, Any]) -> list[tuple[str, list[list[str]], list[float]]]:
+    """Each thread's name, stacks (outermost first, as 'function (file)') and their weights.
 
     py-spy's first frames name the process and thread (with --subprocesses and --threads): dropped."""
     frames = [f"{f['name']} ({short(f['file'])})" if f["file"] else None for f in profile_doc["shared"]["frames"]]
-    for profile in profile_doc["profiles"]:
-        stacks = [[frames[i] for i in sample if frames[i]] for sample in profile["samples"]]
+    return [(profile["name"], [[frames[i] for i in sample if frames[i]] for sample in profile["samples"]],
+             profile["weights"]) for profile in profile_doc["profiles"]]
+
+
+def process_of(thread: str) -> str:
+    """'Process 12 Thread 14 "name"' -> 'Process 12'."""
+    return " ".join(thread.split()[:2])
+
+
+def rank_thread(threads: list[tuple[str, list[list[str]], list[float]]]) -> tuple[str, list[list[str]], list[float]]:
+    """The rank's main thread: the one that runs ENTRY."""
+    for name, stacks, weights in threads:
         if any(frame == f"<module> ({ENTRY})" for stack in stacks[:50] for frame in stack[:4]):
-            return stacks, profile["weights"]
+            return name, stacks, weights
     raise ValueError(f"no thread runs {ENTRY} in this record")
 
 
 def until_first_step(stacks: list[list[str]], weights: list[float]) -> tuple[list[list[str]], list[float]]:
     for index, stack in enumerate(stacks):
-        if any(frame.split(" (", 1)[0] in AFTER_A_STEP for frame in stack):
+        if any(function_of(frame) in AFTER_A_STEP for frame in stack):
             return stacks[:index], weights[:index]
     return stacks, weights
 
@@ -88,16 +111,31 @@ def calls_out(stacks: list[list[str]], weights: list[float]) -> Counter:
     return seconds
 
 
-def under(stacks: list[list[str]], weights: list[float], function: str) -> Counter:
-    """Seconds each frame, of any file, was on the stack in the samples taken inside `function`: where the
-    first step's time goes (Dynamo's tracing, the caches' loads, the kernels' first runs)."""
+def under(stacks: list[list[str]], weights: list[float], function: tuple[str, str]) -> Counter:
+    """Seconds each frame, of any file, was on the stack in the samples taken inside `function` (name, file):
+    where the first step's time goes (Dynamo's tracing, the caches' loads, the kernels' first runs)."""
     seconds: Counter = Counter()
     for stack, weight in zip(stacks, weights):
-        names = [frame.split(" (", 1)[0] for frame in stack]
-        if function in names:
-            for frame in set(stack[names.index(function) + 1:]):
+        functions = [function_of(frame) for frame in stack]
+        if function in functions:
+            for frame in set(stack[functions.index(function) + 1:]):
                 seconds[frame] += weight
     return seconds
+
+
+def reading_threads(threads: list[tuple[str, list[list[str]], list[float]]], process: str) -> tuple[int, Counter]:
+    """How many checkpoint-reading threads the process ran, and the seconds each frame, of any file, was on
+    their stacks, summed over them (idle waits included)."""
+    seconds: Counter = Counter()
+    count = 0
+    for name, stacks, weights in threads:
+        if process_of(name) != process or f'"{READING_THREADS}_' not in name:
+            continue
+        count += 1
+        for stack, weight in zip(stacks, weights):
+            for frame in set(stack):
+                seconds[frame] += weight
+    return count, seconds
 
 
 def imports(stacks: list[list[str]], weights: list[float]) -> Counter:
@@ -113,12 +151,16 @@ def imports(stacks: list[list[str]], weights: list[float]) -> Counter:
 
 
 def summarise(path: Path, top: int) -> dict[str, Any]:
-    stacks, weights = until_first_step(*rank_samples(json.loads(path.read_text())))
+    threads = thread_stacks(json.loads(path.read_text()))
+    rank, stacks, weights = rank_thread(threads)
+    stacks, weights = until_first_step(stacks, weights)
+    count, reading = reading_threads(threads, process_of(rank))
     return {"record": path.name, "seconds": round(sum(weights), 2),
             "frames": [[f, round(s, 2)] for f, s in inclusive(stacks, weights).most_common(top)],
             "calls": [[c, round(s, 2)] for c, s in calls_out(stacks, weights).most_common(top)],
             "imports": [[m, round(s, 2)] for m, s in imports(stacks, weights).most_common(top)],
-            "first_step": [[f, round(s, 2)] for f, s in under(stacks, weights, FIRST_STEP).most_common(top)]}
+            "first_step": [[f, round(s, 2)] for f, s in under(stacks, weights, FIRST_STEP).most_common(top)],
+            "reading_threads": count, "reading": [[f, round(s, 2)] for f, s in reading.most_common(top)]}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -131,8 +173,11 @@ def table(result: dict[str, Any]) -> str:
                      + "\n".join(f"| {s:.2f} | `{c}` |" for c, s in record["calls"])
                      + "\n\n| seconds | module imported (inclusive) |\n|---|---|\n"
                      + "\n".join(f"| {s:.2f} | `{m}` |" for m, s in record["imports"])
-                     + f"\n\n| seconds | frame inside {FIRST_STEP} (inclusive) |\n|---|---|\n"
-                     + "\n".join(f"| {s:.2f} | `{f}` |" for f, s in record["first_step"]))
+                     + f"\n\n| seconds | frame inside {FIRST_STEP[0]} ({FIRST_STEP[1]}, inclusive) |\n|---|---|\n"
+                     + "\n".join(f"| {s:.2f} | `{f}` |" for f, s in record["first_step"])
+                     + f"\n\n| seconds, summed over {record['reading_threads']} threads | frame of the checkpoint's "
+                     "reading threads (inclusive) |\n|---|---|\n"
+                     + "\n".join(f"| {s:.2f} | `{f}` |" for f, s in record["reading"]))
     return "\n\n".join(parts)
 
 

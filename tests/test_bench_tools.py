@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 
@@ -39,3 +41,56 @@ def test_profile_step_finds_the_devices_idle_gaps_across_streams():
     assert abs(idle["idle_ms_per_step"] - (3 + 2000 + 30) / 1000) < 1e-9
     assert [b["count_per_step"] for b in idle["buckets"]] == [1, 1, 0, 1]
     assert idle["largest"] == [{"us": 2000, "after": "c", "before": "d"}, {"us": 30, "after": "d", "before": "f"}]
+
+
+def _speedscope(threads: dict[str, list[tuple[list[tuple[str, str]], float]]]) -> dict:
+    """A record laid out as py-spy writes it with --threads --subprocesses: one profile per thread, each sample
+    a stack of frame indices, outermost first, under a frame naming the process and one naming the thread."""
+    frames: list[dict] = []
+
+    def index(name: str, file: str) -> int:
+        frame = {"name": name, "file": file, "line": 1, "col": None}
+        if frame not in frames:
+            frames.append(frame)
+        return frames.index(frame)
+
+    profiles = []
+    for thread, samples in threads.items():
+        head = [index(f"process {thread.split()[1]}", ""), index(f"thread: {thread}", "")]
+        profiles.append({"type": "sampled", "name": thread, "unit": "seconds", "startValue": 0.0,
+                         "endValue": sum(w for _, w in samples), "weights": [w for _, w in samples],
+                         "samples": [head + [index(n, f"/site/{f}") for n, f in stack] for stack, _ in samples]})
+    return {"shared": {"frames": frames}, "profiles": profiles}
+
+
+@pytest.mark.parametrize("qualified", [True, False])
+def test_startup_profile_ends_at_the_first_step_and_tables_the_reading_threads(tmp_path, qualified):
+    """py-spy names methods with their class in some versions and without it in others: the window ends at the
+    first sample after a step either way, and the checkpoint-reading threads of the rank's process are summed
+    (not its registering threads, nor another process's)."""
+    loop, reader = "pretrain/trainer/loop.py", "pretrain/trainer/shard_reader.py"
+    method = (lambda name: f"Trainer.{name}") if qualified else (lambda name: name)
+    entry = ("<module>", "pretrain/train.py")
+    record = _speedscope({
+        'Process 10 Thread 10 ""': [
+            ([entry, ("main", loop), ("load", loop)], 0.5),
+            ([entry, ("fit", loop), (method("train_step"), loop), ("forward", "pretrain/models/llama.py")], 1.0),
+            ([entry, ("fit", loop), (method("started"), loop)], 0.01),
+            ([entry, ("fit", loop), (method("save"), loop)], 5.0)],
+        'Process 10 Thread 11 "checkpoint-read_0"': [([("_read_run", reader), ("_copy_registered", reader)], 0.3)],
+        'Process 10 Thread 12 "checkpoint-read_1"': [([("_read_run", reader), ("locate", reader)], 0.2)],
+        'Process 10 Thread 13 "checkpoint-register_0"': [([("_register", reader)], 0.4)],
+        'Process 99 Thread 20 "checkpoint-read_0"': [([("_read_run", reader)], 1.0)]})
+    path = tmp_path / "job.speedscope.json"
+    path.write_text(json.dumps(record))
+    done = subprocess.run([sys.executable, "bench/startup_profile.py", str(path), "--name", "p", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "p.json").read_text())["records"][0]
+    assert summary["seconds"] == 1.5  # the save after the first step is not start-up
+    assert dict(summary["first_step"]) == {"forward (pretrain/models/llama.py)": 1.0}
+    assert summary["reading_threads"] == 2
+    reading = dict(summary["reading"])
+    assert reading[f"_read_run ({reader})"] == 0.5 and reading[f"_copy_registered ({reader})"] == 0.3
+    assert f"_register ({reader})" not in reading
+    assert "summed over 2 threads" in (tmp_path / "p.md").read_text()

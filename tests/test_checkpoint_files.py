@@ -186,3 +186,38 @@ def test_a_load_that_would_leave_saved_entries_unread_is_refused(tmp_path, one_p
     with_state_model, with_state = model_and_optimizer()
     Checkpointer(tmp_path, keep=2).load(path, with_state_model, with_state)  # the same load with state: accepted
     assert all(torch.equal(a, b) for a, b in zip(with_state_model.parameters(), model.parameters()))
+
+
+def test_the_registration_budget_stays_within_the_jobs_memory_cgroup(tmp_path):
+    """Registered pages cannot be reclaimed: under Slurm's --mem (a cgroup limit, v2 or v1) each rank may pin
+    half of what the tightest limit above it leaves, shared among the node's ranks, not half of the node's."""
+    from pretrain.trainer.shard_reader import memory_budget
+
+    gib = 1 << 30
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: {200 * gib // 1024} kB\nMemAvailable: {100 * gib // 1024} kB\n")
+    v2 = tmp_path / "cgroup2"
+    job = v2 / "system.slice" / "slurmstepd.scope" / "job_7"
+    task = job / "step_0" / "user" / "task_0"
+    task.mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n")
+    (job / "memory.max").write_text(f"{10 * gib}\n")
+    (job / "memory.current").write_text(f"{4 * gib}\n")
+    (task / "memory.max").write_text("max\n")
+    (task / "memory.current").write_text(f"{3 * gib}\n")
+    assert memory_budget(2, proc, v2) == 6 * gib // 4
+    (job / "memory.max").write_text("max\n")
+    assert memory_budget(2, proc, v2) == 100 * gib // 4  # no limit: the node's free memory
+
+    v1 = tmp_path / "cgroup1"
+    step = v1 / "memory" / "slurm" / "uid_1" / "job_7" / "step_0"
+    step.mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("5:cpuset:/slurm/uid_1/job_7/step_0\n12:memory:/slurm/uid_1/job_7/step_0\n")
+    (step.parent / "memory.limit_in_bytes").write_text(f"{8 * gib}\n")
+    (step.parent / "memory.usage_in_bytes").write_text(f"{2 * gib}\n")
+    (step / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (step / "memory.usage_in_bytes").write_text(f"{1 * gib}\n")
+    assert memory_budget(1, proc, v1) == 6 * gib // 2
+    (proc / "meminfo").unlink()
+    assert memory_budget(1, proc, v1) == 0  # the node's free memory unknown: nothing is registered

@@ -393,14 +393,50 @@ class RegisteredFiles:
         return files
 
 
-def memory_budget(local_ranks: int) -> int:
-    """Bytes one of `local_ranks` ranks may keep registered: half of the host's available memory, shared out."""
+def memory_budget(local_ranks: int, proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes one of `local_ranks` ranks may keep registered: half of what the node's memory and the job's memory
+    cgroups leave free, shared out (none where the node's free memory cannot be read).
+
+    Registered pages cannot be reclaimed. Under a cgroup's limit (Slurm's --mem, enforced by its cgroup plugin)
+    page cache counts against the job, so pinning more than the limit leaves would get the job killed for
+    memory at every requeue, where the cache alone would have been given back."""
     try:
-        with open("/proc/meminfo") as meminfo:
+        with (proc / "meminfo").open() as meminfo:
             available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return 0
-    return available // (2 * max(1, local_ranks))
+    return min([available, *cgroup_headroom(proc, cgroups)]) // (2 * max(1, local_ranks))
+
+
+def cgroup_headroom(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> list[int]:
+    """Bytes below its memory limit, for this process's memory cgroup and each above it that has a limit
+    (cgroup v2: memory.max and memory.current; v1: the memory controller's limit_in_bytes and usage_in_bytes)."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            found += _headroom_up(cgroups, cgroups / path.lstrip("/"), "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            root = cgroups / "memory"
+            found += _headroom_up(root, root / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes")
+    return found
+
+
+def _headroom_up(root: Path, folder: Path, limit_file: str, usage_file: str) -> list[int]:
+    """Limit less usage of `folder` and each folder above it up to `root`, where both read as numbers."""
+    found = []
+    while True:
+        try:
+            found.append(max(0, int((folder / limit_file).read_text()) - int((folder / usage_file).read_text())))
+        except (OSError, ValueError):  # no such file, or "max": no limit at this level
+            pass
+        if folder == root or root not in folder.parents:
+            return found
+        folder = folder.parent
 
 
 def release_now(registered: dict[str, Registration]) -> None:

@@ -94,3 +94,13 @@ def test_startup_profile_ends_at_the_first_step_and_tables_the_reading_threads(t
     assert reading[f"_read_run ({reader})"] == 0.5 and reading[f"_copy_registered ({reader})"] == 0.3
     assert f"_register ({reader})" not in reading
     assert "summed over 2 threads" in (tmp_path / "p.md").read_text()
+
+
+def test_read_threads_times_loads_of_small_tensors_at_each_thread_count(tmp_path):
+    argv = [sys.executable, "bench/read_threads.py", "--tensors", "24", "--files", "2", "--threads", "3", "1",
+            "--repeats", "2", "--name", "rt", "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "rt.json").read_text())
+    assert result["files"] == 2 and [row["threads"] for row in result["rows"]] == [3, 1]
+    assert all(len(row["read_all_s"]) == 2 and 0 < row["read_s"] <= row["load_s"] for row in result["rows"])

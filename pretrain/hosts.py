@@ -1,4 +1,5 @@
-"""Hosts and ports: Slurm's node lists, and a free TCP port for a local rendezvous. No torch.
+"""Hosts and ports: Slurm's node lists, a free TCP port for a local rendezvous, and the memory this process
+may still take (the node's, and its memory cgroups' where they set limits). No torch.
 
 Slurm writes node lists in its hostlist syntax, e.g. `gpu[012-015,20],cpu1` or
 `rack[1-2]-n[01-04]` (several bracket groups make their product). `scontrol show hostnames`
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 import socket
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -56,3 +58,43 @@ def _expand_ranges(spec: str) -> list[str]:
             raise ValueError(f"cannot read the Slurm node range {item!r}")
         values += [str(n).zfill(len(low)) for n in range(int(low), int(high or low) + 1)]
     return values
+
+
+def mem_available(proc: Path = Path("/proc")) -> int | None:
+    """Bytes the kernel counts as available on the node now (MemAvailable), or None where it cannot be read."""
+    try:
+        with (proc / "meminfo").open() as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def cgroup_headroom(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> list[int]:
+    """Bytes below its memory limit, for this process's memory cgroup and each above it that has a limit
+    (cgroup v2: memory.max and memory.current; v1: the memory controller's limit_in_bytes and usage_in_bytes)."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            found += _headroom_up(cgroups, cgroups / path.lstrip("/"), "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            root = cgroups / "memory"
+            found += _headroom_up(root, root / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes")
+    return found
+
+
+def _headroom_up(root: Path, folder: Path, limit_file: str, usage_file: str) -> list[int]:
+    """Limit less usage of `folder` and each folder above it up to `root`, where both read as numbers."""
+    found = []
+    while True:
+        try:
+            found.append(max(0, int((folder / limit_file).read_text()) - int((folder / usage_file).read_text())))
+        except (OSError, ValueError):  # no such file, or "max": no limit at this level
+            pass
+        if folder == root or root not in folder.parents:
+            return found
+        folder = folder.parent

@@ -33,9 +33,8 @@ import itertools
 import os
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from pretrain import config, flops
+from pretrain import config, flops, hosts
 from pretrain.config import Config, ConfigError, ModelConfig, resolved_precision
 from pretrain.launcher import validate
 from pretrain.launcher.world import World, world_of
@@ -130,10 +129,10 @@ def target_of(cfg: Config, world: World | None = None) -> Target:
 
 def available_memory_gib() -> float:
     """Memory the CPU processes of a local run may use: what the kernel counts as available now."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024 / GIB
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+    available = hosts.mem_available()
+    if available is None:
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available / GIB
 
 
 def shard_degree(cfg: Config, target: Target) -> int:

@@ -41,6 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from pretrain import hosts
+
 # Bytes a pinned buffer holds. Two per reading thread, up to 16 threads per rank, keep 512 MiB of pinned host
 # memory during a load (afterwards torch's host allocator keeps it for later pinned buffers). Pinning more
 # at the job's start slowed its process group's set-up by about as much as the load then saved (attempt 47).
@@ -400,43 +402,10 @@ def memory_budget(local_ranks: int, proc: Path = Path("/proc"), cgroups: Path = 
     Registered pages cannot be reclaimed. Under a cgroup's limit (Slurm's --mem, enforced by its cgroup plugin)
     page cache counts against the job, so pinning more than the limit leaves would get the job killed for
     memory at every requeue, where the cache alone would have been given back."""
-    try:
-        with (proc / "meminfo").open() as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
+    available = hosts.mem_available(proc)
+    if available is None:
         return 0
-    return min([available, *cgroup_headroom(proc, cgroups)]) // (2 * max(1, local_ranks))
-
-
-def cgroup_headroom(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> list[int]:
-    """Bytes below its memory limit, for this process's memory cgroup and each above it that has a limit
-    (cgroup v2: memory.max and memory.current; v1: the memory controller's limit_in_bytes and usage_in_bytes)."""
-    try:
-        lines = (proc / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":
-            found += _headroom_up(cgroups, cgroups / path.lstrip("/"), "memory.max", "memory.current")
-        elif "memory" in controllers.split(","):
-            root = cgroups / "memory"
-            found += _headroom_up(root, root / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes")
-    return found
-
-
-def _headroom_up(root: Path, folder: Path, limit_file: str, usage_file: str) -> list[int]:
-    """Limit less usage of `folder` and each folder above it up to `root`, where both read as numbers."""
-    found = []
-    while True:
-        try:
-            found.append(max(0, int((folder / limit_file).read_text()) - int((folder / usage_file).read_text())))
-        except (OSError, ValueError):  # no such file, or "max": no limit at this level
-            pass
-        if folder == root or root not in folder.parents:
-            return found
-        folder = folder.parent
+    return min([available, *hosts.cgroup_headroom(proc, cgroups)]) // (2 * max(1, local_ranks))
 
 
 def release_now(registered: dict[str, Registration]) -> None:

@@ -103,6 +103,24 @@ def test_check_is_skipped_where_the_gpu_memory_is_unknown():
         check([*TOO_BIG])
 
 
+def test_local_cpu_runs_are_planned_within_the_memory_cgroups_limit(tmp_path):
+    """A local run inside an allocation (salloc --mem) or a container with a memory limit is killed when it
+    goes over: the memory it is planned against is what the tightest cgroup limit above it leaves, where
+    that is less than the node's available memory."""
+    gib = 1 << 30
+    proc, v2 = tmp_path / "proc", tmp_path / "cgroup2"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: {64 * gib // 1024} kB\nMemAvailable: {40 * gib // 1024} kB\n")
+    job = v2 / "system.slice" / "slurmstepd.scope" / "job_3"
+    (job / "step_interactive").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_3/step_interactive\n")
+    (job / "memory.max").write_text(f"{16 * gib}\n")
+    (job / "memory.current").write_text(f"{4 * gib}\n")
+    assert plan.available_memory_gib(proc, v2) == 12
+    (job / "memory.max").write_text("max\n")
+    assert plan.available_memory_gib(proc, v2) == 40
+
+
 def test_local_cpu_runs_are_checked_against_the_memory_available(tmp_path, capsys):
     from pretrain import launch as launcher
 

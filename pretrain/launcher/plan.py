@@ -33,6 +33,7 @@ import itertools
 import os
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pretrain import config, flops, hosts
 from pretrain.config import Config, ConfigError, ModelConfig, resolved_precision
@@ -127,12 +128,14 @@ def target_of(cfg: Config, world: World | None = None) -> Target:
                   world.known_cpu_all_reduce)
 
 
-def available_memory_gib() -> float:
-    """Memory the CPU processes of a local run may use: what the kernel counts as available now."""
-    available = hosts.mem_available()
+def available_memory_gib(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> float:
+    """Memory the CPU processes of a local run may use: what the kernel counts as available now, within what
+    the memory cgroups above this process leave (an salloc allocation's --mem, a container's limit), where
+    going over gets the run killed instead of refused."""
+    available = hosts.mem_available(proc)
     if available is None:
         available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available / GIB
+    return min([available, *hosts.cgroup_headroom(proc, cgroups)]) / GIB
 
 
 def shard_degree(cfg: Config, target: Target) -> int:

@@ -60,7 +60,14 @@ def _expand_ranges(spec: str) -> list[str]:
     return values
 
 
-def mem_available(proc: Path = Path("/proc")) -> int | None:
+def memory_left(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process may still take: what the kernel counts as available on the node, within what each
+    memory cgroup above the process leaves below its limit; None where the node's count cannot be read."""
+    available = _mem_available(proc)
+    return None if available is None else min([available, *_cgroup_headroom(proc, cgroups)])
+
+
+def _mem_available(proc: Path) -> int | None:
     """Bytes the kernel counts as available on the node now (MemAvailable), or None where it cannot be read."""
     try:
         with (proc / "meminfo").open() as meminfo:
@@ -69,7 +76,7 @@ def mem_available(proc: Path = Path("/proc")) -> int | None:
         return None
 
 
-def cgroup_headroom(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> list[int]:
+def _cgroup_headroom(proc: Path, cgroups: Path) -> list[int]:
     """Bytes below its memory limit, for this process's memory cgroup and each above it that has a limit
     (cgroup v2: memory.max and memory.current; v1: the memory controller's limit_in_bytes and usage_in_bytes)."""
     try:

@@ -132,10 +132,10 @@ def available_memory_gib(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/
     """Memory the CPU processes of a local run may use: what the kernel counts as available now, within what
     the memory cgroups above this process leave (an salloc allocation's --mem, a container's limit), where
     going over gets the run killed instead of refused."""
-    available = hosts.mem_available(proc)
-    if available is None:
-        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min([available, *hosts.cgroup_headroom(proc, cgroups)]) / GIB
+    left = hosts.memory_left(proc, cgroups)
+    if left is None:  # no /proc to read (not Linux): the machine's memory
+        left = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return left / GIB
 
 
 def shard_degree(cfg: Config, target: Target) -> int:

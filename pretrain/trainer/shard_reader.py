@@ -402,10 +402,8 @@ def memory_budget(local_ranks: int, proc: Path = Path("/proc"), cgroups: Path = 
     Registered pages cannot be reclaimed. Under a cgroup's limit (Slurm's --mem, enforced by its cgroup plugin)
     page cache counts against the job, so pinning more than the limit leaves would get the job killed for
     memory at every requeue, where the cache alone would have been given back."""
-    available = hosts.mem_available(proc)
-    if available is None:
-        return 0
-    return min([available, *hosts.cgroup_headroom(proc, cgroups)]) // (2 * max(1, local_ranks))
+    left = hosts.memory_left(proc, cgroups)
+    return 0 if left is None else left // (2 * max(1, local_ranks))
 
 
 def release_now(registered: dict[str, Registration]) -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pretrain.trainer import checkpoint
+from pretrain.trainer import checkpoint, shard_reader
 from pretrain.rundir import read_manifest
 from pretrain.trainer.checkpoint import Checkpointer, crc32_of, problems
 from pretrain.config import ModelConfig
@@ -170,6 +170,24 @@ def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_whe
     assert ahead.problems_of(older) is None and checkpoint.verify(older, ahead) == []
     assert checking_threads[1] is threading.main_thread()
     assert checkpoint.VerifyAhead(tmp_path / "none", rank=0, world_size=1).path is None
+
+
+def test_pinned_buffers_are_reserved_ahead_only_where_a_load_reads_a_file_unregistered(tmp_path, one_process_group):
+    """A requeued GPU job reserves pinned buffers from its first moments only for a load that will read
+    some file through them: one whose shard files do not all fit the registration budget, or that this
+    job's ranks did not write (a resharding load reads pieces of files no rank registered)."""
+    model, optimizer = model_and_optimizer()
+    path = Checkpointer(tmp_path, keep=2).save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")
+    shards = sum(f.stat().st_size for f in path.glob("*.distcp"))
+
+    def registers_all(budget: int, world_size: int = 1) -> bool:
+        registered = shard_reader.RegisteredFiles(torch.device("cpu"), budget)  # registers nothing: no CUDA
+        return checkpoint.VerifyAhead(tmp_path, rank=0, world_size=world_size, registered=registered).registers_all()
+
+    assert registers_all(shards)
+    assert not registers_all(shards - 1)
+    assert not registers_all(10 * shards, world_size=2)
+    assert not checkpoint.VerifyAhead(tmp_path, rank=0, world_size=1).registers_all()  # a CPU job registers none
 
 
 def test_a_load_that_would_leave_saved_entries_unread_is_refused(tmp_path, one_process_group):

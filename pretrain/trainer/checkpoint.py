@@ -194,6 +194,17 @@ def writer_of(name: str) -> int | None:
 _WRITER = re.compile(r"__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt")
 
 
+def share_of(manifest: dict[str, Any], rank: int, world_size: int) -> list[str]:
+    """The files of a checkpoint that rank of world_size checks: those it wrote, where as many ranks wrote
+    it, and rank 0 those no rank of this job wrote; otherwise every world_size-th file from rank."""
+    files = manifest["files"]
+    if manifest.get("world_size") != world_size:
+        return sorted(files)[rank::world_size]
+    writers = {name: writer_of(name) for name in files}
+    return sorted(name for name, writer in writers.items()
+                  if writer == rank or (rank == 0 and (writer is None or writer >= world_size)))
+
+
 def problems(path: Path, rank: int = 0, world_size: int = 1,
              passed: Callable[[Path], None] | None = None) -> list[str]:
     """What is wrong with a checkpoint folder's files: with world_size ranks checking, rank's share.
@@ -207,12 +218,7 @@ def problems(path: Path, rank: int = 0, world_size: int = 1,
         files = manifest["files"]
     except (OSError, ValueError, KeyError) as err:
         return [f"unreadable manifest ({err})"]
-    if manifest.get("world_size") == world_size:
-        writers = {name: writer_of(name) for name in files}
-        share = sorted(name for name, writer in writers.items()
-                       if writer == rank or (rank == 0 and (writer is None or writer >= world_size)))
-    else:
-        share = sorted(files)[rank::world_size]
+    share = share_of(manifest, rank, world_size)
 
     def problem(name: str) -> str | None:
         file = path / name
@@ -245,12 +251,26 @@ class VerifyAhead:
         found = complete_checkpoints(root)
         self.path: Path | None = found[-1] if found else None
         self._result: Future | None = None
-        self._registered = registered
+        self._registered, self._rank, self._world_size = registered, rank, world_size
         if self.path is not None:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify")
             self._result = pool.submit(problems, self.path, rank, world_size,
                                        registered.add if registered is not None else None)
             pool.shutdown(wait=False)
+
+    def registers_all(self) -> bool:
+        """Whether this rank's load can take every shard file it reads registered: the checkpoint was written
+        by as many ranks (each then loads the files it wrote and checks) and they fit the registration
+        budget. Where not, the load reads through pinned buffers, which are best reserved ahead."""
+        if self.path is None or self._registered is None:
+            return False
+        try:
+            manifest = read_manifest(self.path)
+            share = share_of(manifest, self._rank, self._world_size)
+            size = sum(manifest["files"][name]["size"] for name in share if name.endswith(".distcp"))
+        except (OSError, ValueError, KeyError):
+            return False
+        return manifest.get("world_size") == self._world_size and size <= self._registered.budget
 
     def problems_of(self, path: Path) -> list[str] | None:
         """This rank's problems with `path` if it was checked ahead (waiting for the check), else None."""

@@ -506,7 +506,7 @@ def run(cfg: Config) -> dict[str, Any]:
                   if device.type == "cuda" else None)
     verify_ahead = checkpoint.VerifyAhead(Path(cfg.run_dir) / rundir.CHECKPOINTS, env.rank, env.world_size,
                                           registered)
-    if verify_ahead.path is not None and device.type == "cuda":
+    if verify_ahead.path is not None and device.type == "cuda" and not verify_ahead.registers_all():
         threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(device, checkpoint.reader_threads()),
                          name="checkpoint-buffers", daemon=True).start()
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)

@@ -46,3 +46,40 @@ def test_a_second_process_loads_the_blocks_joint_graph_from_the_cache(tmp_path, 
     assert first.get("autograd_cache_saved") == 2 and not first.get("autograd_cache_bypass"), first
     second = compiled_in_a_new_process(mode, str(tmp_path / "cache"))
     assert second.get("autograd_cache_hit") == 2 and not second.get("autograd_cache_miss"), second
+
+
+IMPORT_AHEAD = r"""
+import json, sys, threading
+import pretrain.trainer.loop
+from pretrain.parallel.parallelize import import_compiler_ahead, persist_compile_cache
+before = "torch._dynamo" in sys.modules
+importers = []
+
+class Witness:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo":
+            importers.append(threading.current_thread().name)
+        return None
+
+sys.meta_path.insert(0, Witness())
+persist_compile_cache(__import__("pathlib").Path(sys.argv[1]))
+import_compiler_ahead()()
+import torch._dynamo.package as package
+cache = getattr(getattr(package, "DynamoCache", None), "_path_prefix", None)
+print(json.dumps({"before": before, "importers": importers, "after": "torch._dynamo" in sys.modules, "cache": cache}))
+"""
+
+
+def test_the_compilers_modules_are_imported_in_a_thread_of_their_own_after_the_caches_folder_is_set(tmp_path):
+    """A job that compiles imports Dynamo in a background thread from its start, overlapping the process group
+    and the preflight (loop.run), once the compile caches' folder is named: Dynamo's import fixes its own
+    cache's folder (torch 2.13), which must then be the run's, not /tmp's."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", IMPORT_AHEAD, str(tmp_path / "cache")],
+                         env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["before"] is False and seen["after"] is True
+    assert seen["importers"] == ["compiler-imports"]
+    if seen["cache"] is not None:  # torch versions with Dynamo's own disk cache
+        assert seen["cache"].startswith(str(tmp_path / "cache"))

@@ -13,11 +13,14 @@ One process (any strategy) trains without FSDP unless fsdp.wrap_single_rank says
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import os
+import threading
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -83,6 +86,30 @@ def _save_matmuls_policy():
 # versions that read this attribute (2.13; not 2.7) cache such graphs under it: a hash of the policy's
 # source, so that an edited policy never loads graphs made under the old one.
 _save_matmuls_policy.cache_hash = hashlib.sha256(inspect.getsource(_save_matmuls_policy).encode()).hexdigest()
+
+
+# What torch.compile's first call imports (Dynamo; Inductor's modules come with it or at the first compiled call).
+COMPILER_MODULES = ("torch._dynamo",)
+
+
+def import_compiler_ahead() -> Callable[[], None]:
+    """Import torch.compile's modules (about 0.5-0.9 s of Python) in a background thread; returns what
+    waits for it. Started before the process group and the preflight, whose waits on the network and the
+    GPU release the interpreter lock, the import overlaps them instead of opening `apply_compile`. Waited
+    for before the model is built, so no import of the main thread runs beside it after that. Start it
+    once the compile caches' folder is set (persist_compile_cache): importing Dynamo (torch 2.13) fixes
+    the folder of its own cache. An import that fails here fails again, with its error, where the main
+    thread compiles."""
+    def import_all() -> None:
+        for name in COMPILER_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - raised again, and reported, by the main thread's own import
+                return
+
+    thread = threading.Thread(target=import_all, name="compiler-imports", daemon=True)
+    thread.start()
+    return thread.join
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ from pretrain.hf import weights as hf_weights
 from pretrain.models.llama import Transformer
 from pretrain.models.sampling import continue_text
 from pretrain.parallel import float8
-from pretrain.parallel.parallelize import Parallelized, build_mesh, parallelize, persist_compile_cache, sync_gradients
+from pretrain.parallel.parallelize import (Parallelized, build_mesh, import_compiler_ahead, parallelize,
+                                           persist_compile_cache, sync_gradients)
 from pretrain.rundir import CheckpointError, ExitCode
 from pretrain.tracking.wandb_run import WandbRun
 from pretrain.trainer import (bytecode, checkpoint, distributed, identity, logs, precision, preflight, resilience,
@@ -100,10 +101,12 @@ def config_hash(cfg: Config) -> str:
 class Trainer:
     def __init__(self, cfg: Config, env: identity.DistEnv, device: torch.device,
                  stop: resilience.StopRequest | None = None, clock: StartupClock | None = None,
-                 verify_ahead: checkpoint.VerifyAhead | None = None) -> None:
+                 verify_ahead: checkpoint.VerifyAhead | None = None,
+                 compiler_ready: Callable[[], None] | None = None) -> None:
         """stop: the signal listener the loop asks at each step boundary (none installed by default);
         clock: the job's start-up so far (a new one by default); verify_ahead: the newest checkpoint's
-        check, started at the job's start (none: checked when resuming)."""
+        check, started at the job's start (none: checked when resuming); compiler_ready: waits for the
+        compiler's imports begun at the job's start (`import_compiler_ahead`), before the model is built."""
         self.cfg, self.env, self.device = cfg, env, device
         self.stop = stop or resilience.StopRequest()
         self.clock = clock or StartupClock()
@@ -128,6 +131,8 @@ class Trainer:
         self.precision = precision.resolve(cfg.precision.name, device)
         if self.precision == "fp32" and device.type == "cuda":
             precision.allow_tf32()
+        if compiler_ready is not None:
+            compiler_ready()
         self.parallel = build_model(cfg, device, self.mesh)
         self.model, self.weights = self.parallel.model, self.parallel.weights
         self.clock.mark("model")
@@ -509,6 +514,11 @@ def run(cfg: Config) -> dict[str, Any]:
     if verify_ahead.path is not None and device.type == "cuda" and not verify_ahead.registers_all():
         threading.Thread(target=shard_reader.reserve_pinned_buffers, args=(device, checkpoint.reader_threads()),
                          name="checkpoint-buffers", daemon=True).start()
+    compiler_ready = None
+    if cfg.fsdp.compile:  # the caches' folder named first: importing Dynamo reads it
+        cache = Path(cfg.fsdp.compile_cache or rundir.COMPILE_CACHE).expanduser()
+        persist_compile_cache(Path(cfg.run_dir) / cache)  # a relative folder: in the run directory
+        compiler_ready = import_compiler_ahead()
     distributed.init_process_group(env, device, cfg.train.collective_timeout_s)
     logs.setup(Path(cfg.run_dir), env.rank)
     if env.is_main and bytecode.kept_in_run_dir(Path(cfg.run_dir)):
@@ -518,11 +528,8 @@ def run(cfg: Config) -> dict[str, Any]:
         if env.is_main:
             source.ensure(cfg)  # the built-in corpus, when the run uses it and it is not there yet
         dist.barrier()
-        if cfg.fsdp.compile:
-            cache = Path(cfg.fsdp.compile_cache or rundir.COMPILE_CACHE).expanduser()
-            persist_compile_cache(Path(cfg.run_dir) / cache)  # a relative folder: in the run directory
         clock.mark("process group")
-        result = _train(Trainer(cfg, env, device, stop, clock, verify_ahead))
+        result = _train(Trainer(cfg, env, device, stop, clock, verify_ahead, compiler_ready))
         # The model's sharded tensors hold the process groups: freed here, while the interpreter is whole,
         # not at its shutdown, where gloo's threads could then abort a finished job ("terminate called
         # without an active exception", seen in 2 of 3 two-node Slurm jobs).

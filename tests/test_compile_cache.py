@@ -66,7 +66,8 @@ persist_compile_cache(__import__("pathlib").Path(sys.argv[1]))
 import_compiler_ahead()()
 import torch._dynamo.package as package
 cache = getattr(getattr(package, "DynamoCache", None), "_path_prefix", None)
-print(json.dumps({"before": before, "importers": importers, "after": "torch._dynamo" in sys.modules, "cache": cache}))
+after = all(name in sys.modules for name in ("torch._dynamo", "torch._inductor.compile_fx"))
+print(json.dumps({"before": before, "importers": importers, "after": after, "cache": cache}))
 """
 
 

@@ -88,12 +88,12 @@ def _save_matmuls_policy():
 _save_matmuls_policy.cache_hash = hashlib.sha256(inspect.getsource(_save_matmuls_policy).encode()).hexdigest()
 
 
-# What torch.compile's first call imports (Dynamo; Inductor's modules come with it or at the first compiled call).
-COMPILER_MODULES = ("torch._dynamo",)
+# What the first torch.compile call imports: Dynamo, then Inductor's compiler (about 600 modules).
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 def import_compiler_ahead() -> Callable[[], None]:
-    """Import torch.compile's modules (about 0.5-0.9 s of Python) in a background thread; returns what
+    """Import torch.compile's modules (1.5 s of Python on the 2-core CPU machine) in a background thread; returns what
     waits for it. Started before the process group and the preflight, whose waits on the network and the
     GPU release the interpreter lock, the import overlaps them instead of opening `apply_compile`. Waited
     for before the model is built, so no import of the main thread runs beside it after that. Start it

@@ -12,7 +12,9 @@ import sys
 import pytest
 from torch._functorch._aot_autograd import autograd_cache
 
-from .helpers import REPO
+from pretrain.hosts import free_port
+
+from .helpers import MINI_MODEL, REPO, launch
 
 PROBE = r"""
 import json, sys
@@ -84,3 +86,50 @@ def test_the_compilers_modules_are_imported_in_a_thread_of_their_own_after_the_c
     assert seen["importers"] == ["compiler-imports"]
     if seen["cache"] is not None:  # torch versions with Dynamo's own disk cache
         assert seen["cache"].startswith(str(tmp_path / "cache"))
+
+
+WITNESSED_JOB = r"""
+import json, sys, threading, time
+events = []
+
+class Witness:
+    def find_spec(self, name, path=None, target=None):
+        events.append((time.perf_counter(), threading.current_thread().name, name))
+        return None
+
+sys.meta_path.insert(0, Witness())
+import pretrain.trainer.loop as loop
+ahead, window = loop.import_compiler_ahead, {}
+
+def witnessed():
+    window["start"], join = time.perf_counter(), ahead()
+    def ready():
+        join()
+        window.setdefault("end", time.perf_counter())
+    return ready
+
+loop.import_compiler_ahead = witnessed
+code = loop.main(sys.argv[1:])
+main = sorted({n for t, th, n in events if th == "MainThread" and window["start"] <= t <= window["end"]})
+behind = sorted({n for t, th, n in events if th == "compiler-imports"})
+print(json.dumps({"code": int(code), "main": main, "behind": behind}))
+"""
+
+
+def test_a_compiling_jobs_main_thread_imports_nothing_of_the_compilers_while_they_are_imported_behind_it(tmp_path):
+    """Two threads importing parts of one module graph can trip importlib's deadlock detection: while the
+    compiler's modules are imported in the background, a compiling job's main thread (process group,
+    preflight) imports none of them."""
+    run_dir = tmp_path / "run"
+    prepared = launch(f"run_dir={run_dir}", *MINI_MODEL, "precision=fp32", "data=synthetic", "fsdp.compile=true",
+                      "train.steps=1", "train.micro_batch=1", "train.global_batch=1", "prepare_only=true")
+    assert prepared.returncode == 0, prepared.stderr
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    out = subprocess.run([sys.executable, "-c", WITNESSED_JOB, str(run_dir)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["code"] == 0
+    assert "torch._dynamo" in seen["behind"] and "torch._inductor.compile_fx" in seen["behind"]
+    assert not set(seen["main"]) & set(seen["behind"]), seen["main"]

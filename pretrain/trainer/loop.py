@@ -106,13 +106,16 @@ class Trainer:
         """stop: the signal listener the loop asks at each step boundary (none installed by default);
         clock: the job's start-up so far (a new one by default); verify_ahead: the newest checkpoint's
         check, started at the job's start (none: checked when resuming); compiler_ready: waits for the
-        compiler's imports begun at the job's start (`import_compiler_ahead`), before the model is built."""
+        compiler's imports begun at the job's start (`import_compiler_ahead`), before the model is built
+        (with FP8, before torchao is imported)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.stop = stop or resilience.StopRequest()
         self.clock = clock or StartupClock()
         self.verify_ahead = verify_ahead
         self.run_dir = Path(cfg.run_dir)
         self.faults = resilience.Faults.from_environment()
+        if compiler_ready is not None and cfg.precision.float8 != "none":
+            compiler_ready()  # torchao's import, next, then runs alone: no two threads importing torch's compiler
         try:
             float8.require(cfg.precision.float8, device, cfg.fsdp.compile)
         except float8.Float8Unavailable as error:

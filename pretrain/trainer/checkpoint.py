@@ -266,11 +266,13 @@ class VerifyAhead:
             return False
         try:
             manifest = read_manifest(self.path)
+            if manifest.get("world_size") != self._world_size:  # resharded: pieces of files no rank registered
+                return False
             share = share_of(manifest, self._rank, self._world_size)
             size = sum(manifest["files"][name]["size"] for name in share if name.endswith(".distcp"))
         except (OSError, ValueError, KeyError):
             return False
-        return manifest.get("world_size") == self._world_size and size <= self._registered.budget
+        return size <= self._registered.budget
 
     def problems_of(self, path: Path) -> list[str] | None:
         """This rank's problems with `path` if it was checked ahead (waiting for the check), else None."""

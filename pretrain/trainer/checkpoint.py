@@ -206,15 +206,16 @@ def share_of(manifest: dict[str, Any], rank: int, world_size: int) -> list[str]:
 
 
 def problems(path: Path, rank: int = 0, world_size: int = 1,
-             passed: Callable[[Path], None] | None = None) -> list[str]:
+             passed: Callable[[Path], None] | None = None, manifest: dict[str, Any] | None = None) -> list[str]:
     """What is wrong with a checkpoint folder's files: with world_size ranks checking, rank's share.
 
     Written by as many ranks as check it, each rank checks the files it wrote, which are those it will
     load (on a node of its own, the read leaves them in that node's page cache); otherwise every
     world_size-th file from rank. `passed` is called with each shard file that passes, in the checking thread.
+    `manifest` is the folder's manifest where the caller has read it already.
     """
     try:
-        manifest = read_manifest(path)
+        manifest = manifest if manifest is not None else read_manifest(path)
         files = manifest["files"]
     except (OSError, ValueError, KeyError) as err:
         return [f"unreadable manifest ({err})"]
@@ -251,26 +252,31 @@ class VerifyAhead:
         found = complete_checkpoints(root)
         self.path: Path | None = found[-1] if found else None
         self._result: Future | None = None
+        self._manifest: dict[str, Any] | None = None
         self._registered, self._rank, self._world_size = registered, rank, world_size
         if self.path is not None:
+            try:  # read once, here, for `registers_all` and the check; an unreadable one the check reports
+                self._manifest = read_manifest(self.path)
+            except (OSError, ValueError):
+                pass
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify")
             self._result = pool.submit(problems, self.path, rank, world_size,
-                                       registered.add if registered is not None else None)
+                                       registered.add if registered is not None else None, self._manifest)
             pool.shutdown(wait=False)
 
     def registers_all(self) -> bool:
         """Whether this rank's load can take every shard file it reads registered: the checkpoint was written
         by as many ranks (each then loads the files it wrote and checks) and they fit the registration
         budget. Where not, the load reads through pinned buffers, which are best reserved ahead."""
-        if self.path is None or self._registered is None:
+        manifest = self._manifest
+        if manifest is None or self._registered is None:
+            return False
+        if manifest.get("world_size") != self._world_size:  # resharded: pieces of files no rank registered
             return False
         try:
-            manifest = read_manifest(self.path)
-            if manifest.get("world_size") != self._world_size:  # resharded: pieces of files no rank registered
-                return False
             share = share_of(manifest, self._rank, self._world_size)
             size = sum(manifest["files"][name]["size"] for name in share if name.endswith(".distcp"))
-        except (OSError, ValueError, KeyError):
+        except KeyError:
             return False
         return size <= self._registered.budget
 

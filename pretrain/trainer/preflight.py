@@ -20,9 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,8 @@ MIN_PEAK_FRACTION = 0.4
 ONES_ROWS = 64
 MATMUL_ITERATIONS = 10
 ALLREDUCE_ITERATIONS = 5
+# Python's switch interval while the timed kernels are launched (its default is 5 ms): see `device_seconds`.
+LAUNCH_SWITCH_INTERVAL_S = 1e-4
 
 
 @dataclass
@@ -95,6 +99,34 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def device_seconds(device: torch.device, work: Callable[[], None]) -> float:
+    """Seconds the device takes for `work`: by CUDA events on a GPU, else by the host's clock.
+
+    Other threads of the job run meanwhile (the checkpoint's check, the compiler's imports). Each kernel's
+    launch gives up the GIL, and getting it back from a thread that does not give it up waits for Python's
+    switch interval, 5 ms: timed on the host, with the wake-up after the last kernel as well, a healthy
+    H100's 740 TFLOP/s read 315, below the floor, while the compiler was imported (2026-12-07). Events time
+    the GPU, not the host's wake-up, and a short switch interval for these milliseconds keeps the GPU fed.
+    """
+    synchronize(device)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(LAUNCH_SWITCH_INTERVAL_S)
+    try:
+        if device.type != "cuda":
+            started = time.perf_counter()
+            work()
+            return time.perf_counter() - started
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream(device)
+        start.record(stream)
+        work()
+        end.record(stream)
+    finally:
+        sys.setswitchinterval(interval)
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
 def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
     """The exact product, then MATMUL_ITERATIONS timed products."""
     a, b, expected = exact_product_operands(n, check_dtype(device), device, seed=1234 + rank)
@@ -102,13 +134,12 @@ def check_device(n: int, device: torch.device, rank: int) -> DeviceResult:
     if resilience.fault_active_on("preflight_fail", node_name(), rank):
         product[0, 0] += 1
     wrong = int((product != expected).sum())
-    synchronize(device)
-    started = time.perf_counter()
-    for _ in range(MATMUL_ITERATIONS):
-        torch.mm(a, b, out=product)
-    synchronize(device)
-    seconds = time.perf_counter() - started
-    tflops = 2 * n**3 * MATMUL_ITERATIONS / seconds / 1e12
+
+    def products() -> None:
+        for _ in range(MATMUL_ITERATIONS):
+            torch.mm(a, b, out=product)
+
+    tflops = 2 * n**3 * MATMUL_ITERATIONS / device_seconds(device, products) / 1e12
     return DeviceResult(rank, node_name(), tflops, wrong, n * n, device_identity(device),
                         len(os.sched_getaffinity(0)), os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
                         threads=torch.get_num_threads())
@@ -161,12 +192,12 @@ def check_allreduce(mib: int, device: torch.device, rank: int, world: int) -> tu
     buffer = torch.full((mib * 2**20 // 4,), float(rank + 1), device=device)
     dist.all_reduce(buffer)
     right = bool((buffer == world * (world + 1) / 2).all())
-    synchronize(device)
-    started = time.perf_counter()
-    for _ in range(ALLREDUCE_ITERATIONS):
-        dist.all_reduce(buffer)
-    synchronize(device)
-    seconds = (time.perf_counter() - started) / ALLREDUCE_ITERATIONS
+
+    def all_reduces() -> None:
+        for _ in range(ALLREDUCE_ITERATIONS):
+            dist.all_reduce(buffer)
+
+    seconds = device_seconds(device, all_reduces) / ALLREDUCE_ITERATIONS
     return right, buffer.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
 
 

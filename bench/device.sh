@@ -7,7 +7,7 @@
 #                        |startup-profile|compile-site|wrapped-bf16[-N]|cdt-bf16|optimizer-step|master-tests|requeue-ab[-N]
 #                        |cuda-start|context-tests|requeue-env[-N]|autotune-bf16[-N]|ce-head[-N]|ce-head-ab[-N]|lce-tests|profile|profile-fp8|kernel-sources
 #                        |rope|rope-tests|guards-tests|ab-fp8|head-fp8[-N]|map-fp8[-N]|kernel-sources-fp8|kernel-bench-fp8
-#                        |register-probe|register-tests
+#                        |register-probe|register-tests|checksum
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
@@ -196,6 +196,9 @@ m = u.module_from_spec(s); s.loader.exec_module(m); print('  configs:', m.benchm
     requeue-env*)  # requeued starts of this tree, B with REQUEUE_ENV_B (KEY=VALUE ...), one traced job per side
                 python3 bench/requeue_ab.py --base . --env-b ${REQUEUE_ENV_B:-} --trace /tmp/trace \
                   --name "requeue-env-1b-1gpu-$BENCH_COMMIT${phase#requeue-env}" --out "$results" ${REQUEUE_ARGS:-} 2>&1 | tail -60 ;;
+    checksum)   # the check's CRC32 rate over the shard files of a checkpoint a restart phase left (run one first)
+                python3 bench/checksum.py "$(ls -d /tmp/bench-runs/restart-*/checkpoints/step_* | tail -1)" \
+                  --name "checksum-1b-1gpu-$BENCH_COMMIT" --out "$results" 2>&1 | tail -16 ;;
     compile-site)  # give the image's packages the bytecode it lacks, as an image built with it has
                 python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
                   > /dev/null 2>&1; echo "compileall exit $?" ;;

@@ -1,0 +1,87 @@
+"""How fast a rank can check a checkpoint's shard files against their CRC32s, files in the page cache.
+
+On one GPU a requeued job checks the whole 17 GiB of the 1B shape in a background thread pool from its start,
+and its load waits for that check (bench/NOTES.md, attempt 63): this times the package's check
+(`checkpoint.crc32_of`, `writer_threads()` files at a time) beside other chunk sizes, thread counts, and one
+`zlib.crc32` over a read-only mapping of each whole file (no copy, one release of the GIL a file).
+
+    python bench/checksum.py CHECKPOINT_FOLDER --name NAME --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+from pretrain.trainer import checkpoint  # noqa: E402
+
+
+def chunked(size: int) -> Callable[[Path], int]:
+    def crc(path: Path) -> int:
+        value, buffer = 0, bytearray(size)
+        view = memoryview(buffer)
+        with path.open("rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                value = zlib.crc32(view[:n], value)
+        return value
+    return crc
+
+
+def mapped(path: Path) -> int:
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapping:
+        return zlib.crc32(mapping)
+
+
+def timed(crc: Callable[[Path], int], files: list[Path], threads: int) -> tuple[float, list[int]]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        values = list(pool.map(crc, files))
+    return time.perf_counter() - started, values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--name", default="checksum")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    files = sorted(args.folder.glob("*.distcp"))
+    total = sum(f.stat().st_size for f in files)
+    package_threads = checkpoint.writer_threads()
+    variants = [("package: crc32_of, 16 MiB chunks", checkpoint.crc32_of, package_threads)]
+    for threads in sorted({package_threads, os.cpu_count() or package_threads}):
+        variants += [(f"{mib} MiB chunks", chunked(mib << 20), threads) for mib in (1, 4, 64)]
+        variants.append(("mapped whole file", mapped, threads))
+    timed(checkpoint.crc32_of, files, package_threads)  # into the page cache, if they were not
+    rows, expected = [], None
+    for label, crc, threads in variants:
+        runs = [timed(crc, files, threads) for _ in range(args.repeats)]
+        expected = expected or runs[0][1]
+        assert all(values == expected for _, values in runs), f"{label}: other CRCs"
+        best = min(seconds for seconds, _ in runs)
+        rows.append({"variant": label, "threads": threads, "seconds": [round(s, 3) for s, _ in runs],
+                     "gb_per_s": round(total / best / 1e9, 2)})
+        print(f"{label:34} {threads:3} threads {best:6.2f} s {total / best / 1e9:6.1f} GB/s", flush=True)
+    table = ["| variant | threads | seconds | GB/s (best) |", "|---|---|---|---|"]
+    table += [f"| {r['variant']} | {r['threads']} | {', '.join(map(str, r['seconds']))} | {r['gb_per_s']} |"
+              for r in rows]
+    result = {"name": args.name, **common.stamp(), "folder": str(args.folder), "files": len(files), "bytes": total,
+              "rows": rows}
+    print(common.write_result(args.out, args.name, result, "\n".join(table)).read_text())
+
+
+if __name__ == "__main__":
+    main()

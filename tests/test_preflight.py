@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -25,6 +26,22 @@ def test_the_check_product_is_exact_in_any_dtype(dtype):
     assert torch.equal(a @ b, expected)
     assert torch.equal((a.double() @ b.double()).to(dtype), expected)
     assert int(expected.abs().max()) > 1 and b.abs().sum() > 300  # a real sum, not a bare permutation
+
+
+def test_the_timed_work_is_launched_under_a_short_switch_interval_restored_after_it():
+    """Each launch's wait for the GIL held by another thread of the job is at most the switch interval (5 ms by
+    default): the timed products run under a short one, and the job's own comes back even if they fail."""
+    before, seen = sys.getswitchinterval(), []
+    seconds = preflight.device_seconds(torch.device("cpu"), lambda: seen.append(sys.getswitchinterval()))
+    assert seen == [pytest.approx(preflight.LAUNCH_SWITCH_INTERVAL_S)] and seen[0] < before
+    assert sys.getswitchinterval() == before and seconds >= 0
+
+    def fails() -> None:
+        raise RuntimeError("a product failed")
+
+    with pytest.raises(RuntimeError):
+        preflight.device_seconds(torch.device("cpu"), fails)
+    assert sys.getswitchinterval() == before
 
 
 def test_node_faults_are_inert_unless_named(monkeypatch):

@@ -1,14 +1,13 @@
-"""How fast a rank can check a checkpoint's shard files against their CRC32s, files in the page cache.
+"""How fast a rank can check a checkpoint's shard files against their checksums, files in the page cache.
 
 On one GPU a requeued job checks the whole 17 GiB of the 1B shape in a background thread pool from its start,
-and its load waits for that check (bench/NOTES.md, attempt 63): this times the package's check
-(`checkpoint.crc32_of`, `writer_threads()` files at a time) beside other chunk sizes, thread counts, and one
-`zlib.crc32` over a read-only mapping of each whole file (no copy, one release of the GIL a file).
+and its load waits for that check (bench/NOTES.md, attempts 63 and 65): this times the package's check
+(`checkpoint.checksum_of`, `writer_threads()` files at a time) beside zlib's CRC32 as the package computed
+it before (16 MiB chunks into one buffer), other chunk sizes, thread counts, and one `zlib.crc32` over a
+read-only mapping of each whole file (no copy, one release of the GIL a file).
 
     python bench/checksum.py CHECKPOINT_FOLDER --name NAME --out DIR
 """
-
-from __future__ import annotations
 
 import argparse
 import mmap
@@ -29,6 +28,7 @@ from pretrain.trainer import checkpoint  # noqa: E402
 
 
 def chunked(size: int) -> Callable[[Path], int]:
+    """zlib's CRC32 read in chunks of `size` into one buffer (the package's before attempt 65, at 16 MiB)."""
     def crc(path: Path) -> int:
         value, buffer = 0, bytearray(size)
         view = memoryview(buffer)
@@ -61,16 +61,18 @@ def main() -> None:
     files = sorted(args.folder.glob("*.distcp"))
     total = sum(f.stat().st_size for f in files)
     package_threads = checkpoint.writer_threads()
-    variants = [("package: crc32_of, 16 MiB chunks", checkpoint.crc32_of, package_threads)]
+    package = f"package: {checkpoint.CHECKSUM}, 16 MiB chunks"
+    variants = [(package, checkpoint.checksum_of, package_threads)]
     for threads in sorted({package_threads, os.cpu_count() or package_threads}):
-        variants += [(f"{mib} MiB chunks", chunked(mib << 20), threads) for mib in (1, 4, 64)]
-        variants.append(("mapped whole file", mapped, threads))
-    timed(checkpoint.crc32_of, files, package_threads)  # into the page cache, if they were not
-    rows, expected = [], None
+        variants += [(f"crc32, {mib} MiB chunks", chunked(mib << 20), threads) for mib in (1, 16, 64)]
+        variants.append(("crc32, mapped whole file", mapped, threads))
+    timed(checkpoint.checksum_of, files, package_threads)  # into the page cache, if they were not
+    rows, expected = [], {}
     for label, crc, threads in variants:
         runs = [timed(crc, files, threads) for _ in range(args.repeats)]
-        expected = expected or runs[0][1]
-        assert all(values == expected for _, values in runs), f"{label}: other CRCs"
+        kind = label.split(",")[0]
+        expected.setdefault(kind, runs[0][1])
+        assert all(values == expected[kind] for _, values in runs), f"{label}: other checksums"
         best = min(seconds for seconds, _ in runs)
         rows.append({"variant": label, "threads": threads, "seconds": [round(s, 3) for s, _ in runs],
                      "gb_per_s": round(total / best / 1e9, 2)})

@@ -9,6 +9,8 @@
 #                        |rope|rope-tests|guards-tests|ab-fp8|head-fp8[-N]|map-fp8[-N]|kernel-sources-fp8|kernel-bench-fp8
 #                        |register-probe|register-tests|checksum
 # Needs the wheels of ../shared/tools/device-wheels.sh in .whl/ (carried with the call) and $OUT;
+# google-crc32c's wheel too (a dependency since attempt 65: `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform manylinux2014_x86_64 -d .whl google-crc32c`);
 # the fp8 phases need torchao's wheel there too (0.18.0 worked with the device image's torch 2.11);
 # side-* need the torchtitan reference folder copied to .titan/ (and its wheels in .whl/), slurm-gpu
 # the bundle of tests/slurm/bundle.sh in .slurm-bundle/slurm.tar.gz; ab-bf16 the files of the other

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import zlib
 
 import pytest
 import torch
 
 from pretrain.trainer import checkpoint, shard_reader
 from pretrain.rundir import read_manifest
-from pretrain.trainer.checkpoint import Checkpointer, crc32_of, problems
+from pretrain.trainer.checkpoint import Checkpointer, checksum_of, problems
 from pretrain.config import ModelConfig
 from tests import helpers
 
@@ -51,7 +52,8 @@ def test_shards_are_written_by_several_threads_and_digested_off_the_training_thr
     assert shards == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
     files = read_manifest(path)["files"]
     assert set(shards) <= set(files) and ".metadata" in files
-    assert all(files[name]["crc32"] == crc32_of(path / name) for name in files)
+    assert all(set(files[name]) == {"size", "crc32c"} for name in files)  # the compiled CRC32C: the fast one
+    assert all(files[name]["crc32c"] == checksum_of(path / name, "crc32c") for name in files)
     assert problems(path) == []
     assert (threading.main_thread() in digesting_threads) != async_save
 
@@ -118,6 +120,23 @@ def test_each_rank_checks_the_files_it_wrote_and_rank_0_the_others(tmp_path):
     # Checked by another number of ranks than wrote it: every file is still someone's.
     assert sorted(p for rank in range(3) for p in problems(tmp_path, rank, 3)) == [
         "__1_0.distcp fails its checksum", "extra.bin fails its checksum"]
+
+
+def test_a_manifest_of_crc32s_as_saves_wrote_before_crc32c_is_still_checked(tmp_path):
+    """Checkpoints of runs begun with an older package record zlib's CRC32: they load, and damage is found."""
+    names = ["__0_0.distcp", "__0_1.distcp", ".metadata", "rng/rank0.pt"]
+    (tmp_path / "rng").mkdir()
+    for index, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([index]) * 100_000)
+    files = {name: {"size": 100_000, "crc32": zlib.crc32((tmp_path / name).read_bytes())} for name in names}
+    files["unsummed.bin"] = {"size": 1}
+    (tmp_path / "unsummed.bin").write_bytes(b"x")
+    (tmp_path / "manifest.json").write_text(json.dumps({"world_size": 1, "files": files}))
+    assert checksum_of(tmp_path / "__0_0.distcp", "crc32") == files["__0_0.distcp"]["crc32"]
+    assert checksum_of(tmp_path / "__0_0.distcp", "crc32c") != files["__0_0.distcp"]["crc32"]
+    assert problems(tmp_path) == ["unsummed.bin has no checksum in the manifest"]
+    damage(tmp_path / "__0_1.distcp")
+    assert problems(tmp_path) == ["__0_1.distcp fails its checksum", "unsummed.bin has no checksum in the manifest"]
 
 
 def test_the_shard_files_that_pass_their_check_are_handed_on_and_no_others(tmp_path):

@@ -61,7 +61,7 @@ def main() -> None:
     files = sorted(args.folder.glob("*.distcp"))
     total = sum(f.stat().st_size for f in files)
     package_threads = checkpoint.writer_threads()
-    package = f"package: {checkpoint.CHECKSUM}, 16 MiB chunks"
+    package = f"package: {checkpoint.saved_checksum()}, 16 MiB chunks"
     variants = [(package, checkpoint.checksum_of, package_threads)]
     for threads in sorted({package_threads, os.cpu_count() or package_threads}):
         variants += [(f"crc32, {mib} MiB chunks", chunked(mib << 20), threads) for mib in (1, 16, 64)]

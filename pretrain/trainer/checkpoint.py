@@ -143,13 +143,17 @@ CHECKSUMS: dict[str, Callable[[int, bytes], int]] = {
     "crc32c": google_crc32c.extend,
     "crc32": lambda value, chunk: zlib.crc32(chunk, value),
 }
-CHECKSUM = "crc32c" if google_crc32c.implementation == "c" else "crc32"
 CHECKSUM_CHUNK = 1 << 24
 
 
-def checksum_of(path: Path, kind: str = CHECKSUM) -> int:
-    """The file's checksum of that kind (a key of CHECKSUMS), read 16 MiB at a time."""
-    extend, value = CHECKSUMS[kind], 0
+def saved_checksum() -> str:
+    """The kind of checksum a save records: CRC32C where google-crc32c's compiled extension is installed."""
+    return "crc32c" if google_crc32c.implementation == "c" else "crc32"
+
+
+def checksum_of(path: Path, kind: str | None = None) -> int:
+    """The file's checksum of that kind (a key of CHECKSUMS; by default what a save records), read 16 MiB at a time."""
+    extend, value = CHECKSUMS[kind or saved_checksum()], 0
     with path.open("rb", buffering=0) as f:
         while chunk := f.read(CHECKSUM_CHUNK):
             value = extend(value, chunk)
@@ -159,8 +163,9 @@ def checksum_of(path: Path, kind: str = CHECKSUM) -> int:
 def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
     """Size and checksum of each file, several files at a time (both checksums release the GIL)."""
     with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-        sums = list(pool.map(checksum_of, [folder / name for name in names]))
-    return {name: {"size": (folder / name).stat().st_size, CHECKSUM: value} for name, value in zip(names, sums)}
+        kind = saved_checksum()
+        sums = list(pool.map(lambda path: checksum_of(path, kind), [folder / name for name in names]))
+    return {name: {"size": (folder / name).stat().st_size, kind: value} for name, value in zip(names, sums)}
 
 
 def _within_cpus(threads: int) -> int:

@@ -162,8 +162,8 @@ def checksum_of(path: Path, kind: str | None = None) -> int:
 
 def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
     """Size and checksum of each file, several files at a time (both checksums release the GIL)."""
+    kind = saved_checksum()
     with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-        kind = saved_checksum()
         sums = list(pool.map(lambda path: checksum_of(path, kind), [folder / name for name in names]))
     return {name: {"size": (folder / name).stat().st_size, kind: value} for name, value in zip(names, sums)}
 

@@ -315,8 +315,36 @@ def model_shape(cfg: ModelConfig) -> dict[str, Any]:
     return shape
 
 
+# The checksums a manifest may record for a file beside its size (pretrain.trainer.checkpoint computes them):
+# what saves record now, then what saves recorded before. A kind not listed was written by a newer pretrain.
+CHECKSUM_KINDS = ("crc32c", "crc32")
+
+
+def check_checksums_known(path: Path) -> None:
+    """Raise CheckpointError where a newer pretrain wrote `path` with checksums of a kind this version
+    cannot compute: its check would take every file for damaged and set a sound checkpoint aside.
+
+    A manifest that cannot be read is left to the check, which reports it as damage.
+    """
+    try:
+        files = read_manifest(path)["files"]
+        unknown = sorted({key for entry in files.values() if not entry.keys() & set(CHECKSUM_KINDS)
+                          for key in entry.keys() - {"size"}})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {path} records checksums of a kind this version of pretrain cannot check "
+            f"({', '.join(unknown)}; it checks {', '.join(CHECKSUM_KINDS)}): a newer pretrain wrote it. Resume the "
+            "run with that version (the container or environment it was launched with); the checkpoint is "
+            "left as it is"
+        )
+
+
 def check_compatible(path: Path, cfg: ModelConfig) -> None:
-    """Raise CheckpointError naming the differing fields if `path` holds another model's weights."""
+    """Raise CheckpointError if `path` holds another model's weights (naming the differing fields) or
+    was written by a newer pretrain (check_checksums_known)."""
+    check_checksums_known(path)
     saved = read_manifest(path).get("model_shape", {})
     wanted = model_shape(cfg)
     differing = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in wanted.items() if saved.get(k) != v]

@@ -3,6 +3,7 @@ or truncated files, NaN losses and gradients."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -11,9 +12,10 @@ import sys
 
 import pytest
 
-from pretrain.rundir import complete_checkpoints
+from pretrain.hosts import free_port
+from pretrain.rundir import CHECKSUM_KINDS, MANIFEST, complete_checkpoints, read_manifest
 from pretrain.trainer.checkpoint import problems
-from tests.helpers import MINI_MODEL, REPO, assert_same_losses, last_step_record, launch, losses
+from tests.helpers import MINI_MODEL, REPO, assert_same_losses, last_step_record, launch, losses, snapshot
 
 SETTINGS = ("precision=fp32", "train.log_every=1", "train.eval_every=0")
 RUN = (*SETTINGS, *MINI_MODEL)
@@ -137,3 +139,32 @@ def test_too_many_nan_steps_stop_the_run_with_finite_checkpoints(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     curve = losses(run_dir)
     assert all(curve[step] == curve[step] for step in range(8, 11))  # finite, not NaN
+
+
+def test_a_checkpoint_a_newer_pretrain_wrote_is_refused_and_never_set_aside(tmp_path):
+    """A requeued job whose container brings an older pretrain than the one that saved: checksums of a kind
+    it cannot compute are not damage. The launcher refuses before anything starts, and the job itself (as a
+    requeue starts it, without the launcher) stops with the same error, leaving the checkpoint where it is."""
+    run_dir = tmp_path / "run"
+    args = (*RUN, "train.steps=8", "train.ckpt_every=4", f"hydra.run.dir={run_dir}")
+    assert launch(*args, "train.stop_at_step=4").returncode == 0
+    newest = complete_checkpoints(run_dir / "checkpoints")[-1]
+    manifest = read_manifest(newest)
+    for entry in manifest["files"].values():
+        entry["xxh3"] = entry.pop(next(kind for kind in CHECKSUM_KINDS if kind in entry))
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    before = snapshot(run_dir)
+    expected = (f"error: checkpoint {newest} records checksums of a kind this version of pretrain cannot check "
+                f"(xxh3; it checks {', '.join(CHECKSUM_KINDS)}): a newer pretrain wrote it.")
+
+    refused = launch(*args)
+    assert refused.returncode == 2 and expected in refused.stderr, refused.stderr
+    assert snapshot(run_dir) == before
+
+    identity = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    job = subprocess.run([sys.executable, "-m", "pretrain.train", str(run_dir)], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, **identity})
+    assert job.returncode == 1 and expected in job.stderr, job.stderr[-3000:]
+    assert complete_checkpoints(run_dir / "checkpoints")[-1] == newest and read_manifest(newest) == manifest
+    assert not list((run_dir / "checkpoints").glob("*.damaged*"))

@@ -56,8 +56,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pretrain.config import ModelConfig
 from pretrain.parallel.float8 import plain_tensors
-from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, CheckpointError, complete_checkpoints, model_shape,
-                             read_manifest, step_dir_name, step_of)
+from pretrain.rundir import (CHECKSUM_KINDS, DAMAGED, MANIFEST, PARTIAL, REMOVING, CheckpointError,
+                             complete_checkpoints, model_shape, read_manifest, step_dir_name, step_of)
 from pretrain.trainer import resilience, shard_reader
 from pretrain.trainer.distributed import all_agree, collective_failed
 from pretrain.trainer.shard_reader import ParallelReader, RegisteredFiles, Registration
@@ -138,11 +138,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # with an instruction of its own (google-crc32c's compiled extension: 16 GB/s a core on the CPU machine,
 # zlib's CRC32 3.3): on one GPU a requeued job's load waits for the check of its whole checkpoint, 17 GiB
 # for the 1B shape (bench/NOTES.md, attempt 65). CRC32 is what manifests written before it hold, and what
-# a save records where google-crc32c has only its pure-Python fallback.
-CHECKSUMS: dict[str, Callable[[int, bytes], int]] = {
+# a save records where google-crc32c has only its pure-Python fallback. The kinds are the run directory's
+# contract (rundir.CHECKSUM_KINDS, which a launch checks without torch); here is how each is computed.
+_EXTEND: dict[str, Callable[[int, bytes], int]] = {
     "crc32c": google_crc32c.extend,
     "crc32": lambda value, chunk: zlib.crc32(chunk, value),
 }
+CHECKSUMS = {kind: _EXTEND[kind] for kind in CHECKSUM_KINDS}
 CHECKSUM_CHUNK = 1 << 24
 
 

@@ -394,6 +394,7 @@ class Trainer:
             resilience.clear_stop_notes(self.run_dir)
         dist.barrier()
         for path in reversed(rundir.complete_checkpoints(root)):
+            rundir.check_checksums_known(path)  # before the check, which would set such a checkpoint aside
             damage = checkpoint.verify(path, self.verify_ahead)
             if damage:
                 self.set_aside(path, damage)

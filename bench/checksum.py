@@ -7,6 +7,10 @@ it before (16 MiB chunks into one buffer), other chunk sizes, thread counts, and
 read-only mapping of each whole file (no copy, one release of the GIL a file).
 
     python bench/checksum.py CHECKPOINT_FOLDER --name NAME --out DIR
+    python bench/checksum.py FOLDER --make-gib 17 ...   # first writes writer_threads() files of 17 GiB in all
+
+Written by this script, the files are in the page cache as a requeued job's shards are after its node read them
+(or the save wrote them); their bytes, random, do not change the rate.
 """
 
 import argparse
@@ -51,16 +55,32 @@ def timed(crc: Callable[[Path], int], files: list[Path], threads: int) -> tuple[
     return time.perf_counter() - started, values
 
 
+def make_files(folder: Path, gib: float, count: int) -> None:
+    """`count` shard-like files of `gib` GiB in all, of random bytes (one 64 MiB block repeated)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(64 << 20)
+    size = int(gib * (1 << 30)) // count
+    for index in range(count):
+        with (folder / f"__0_{index}.distcp").open("wb") as f:
+            for offset in range(0, size, len(block)):
+                f.write(block[: min(len(block), size - offset)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--name", default="checksum")
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--make-gib", type=float, help="first write that many GiB of shard-like files into FOLDER")
     args = parser.parse_args()
-    files = sorted(args.folder.glob("*.distcp"))
-    total = sum(f.stat().st_size for f in files)
     package_threads = checkpoint.writer_threads()
+    if args.make_gib:
+        make_files(args.folder, args.make_gib, package_threads)
+    files = sorted(args.folder.glob("*.distcp"))
+    if not files:
+        sys.exit(f"error: no shard files (*.distcp) in {args.folder}: give a checkpoint's folder, or --make-gib")
+    total = sum(f.stat().st_size for f in files)
     package = f"package: {checkpoint.saved_checksum()}, 16 MiB chunks"
     variants = [(package, checkpoint.checksum_of, package_threads)]
     for threads in sorted({package_threads, os.cpu_count() or package_threads}):

@@ -198,9 +198,10 @@ m = u.module_from_spec(s); s.loader.exec_module(m); print('  configs:', m.benchm
     requeue-env*)  # requeued starts of this tree, B with REQUEUE_ENV_B (KEY=VALUE ...), one traced job per side
                 python3 bench/requeue_ab.py --base . --env-b ${REQUEUE_ENV_B:-} --trace /tmp/trace \
                   --name "requeue-env-1b-1gpu-$BENCH_COMMIT${phase#requeue-env}" --out "$results" ${REQUEUE_ARGS:-} 2>&1 | tail -60 ;;
-    checksum)   # the check's rate (CRC32C, and zlib's CRC32 as before) over the shard files a restart phase left (run one first)
-                python3 bench/checksum.py "$(ls -d /tmp/bench-runs/restart-*/checkpoints/step_* | tail -1)" \
-                  --name "checksum-1b-1gpu-$BENCH_COMMIT" --out "$results" 2>&1 | tail -16 ;;
+    checksum)   # the check's rate (CRC32C, and zlib's CRC32 as before) over 17 GiB of shard-like files in the page
+                # cache, as the 1B shape's checkpoint on one GPU (restart phases remove their run directories)
+                python3 bench/checksum.py /tmp/checksum-files --make-gib 17 \
+                  --name "checksum-1b-1gpu-$BENCH_COMMIT" --out "$results" 2>&1 | tail -16; rm -rf /tmp/checksum-files ;;
     compile-site)  # give the image's packages the bytecode it lacks, as an image built with it has
                 python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
                   > /dev/null 2>&1; echo "compileall exit $?" ;;

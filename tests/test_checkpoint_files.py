@@ -181,6 +181,15 @@ def test_a_file_cuda_cannot_register_is_left_to_the_pinned_buffers_and_beyond_th
         time.sleep(0.01)
     assert registered.failure is not None and registered.failure.startswith("__0_1.distcp: ")
     assert registered.take() == {}
+    assert registered.timing(time.perf_counter()) == "none registered in time"
+
+
+def test_the_log_says_how_long_registering_took_and_when_against_the_load():
+    """What a requeued GPU job logs at its load, to set against its start-up's phases (attempt 65: the registering
+    moved into the model's build); 2 GiB then 1 GiB, overlapping, the load at 12.0."""
+    spans = [(10.0, 10.5, 2 << 30), (10.25, 11.0, 1 << 30)]
+    assert shard_reader.registering_summary(spans, now=12.0) == (
+        "2 files (3.0 GiB), 1.25 s of registering (longest 0.75 s), begun 2.00 s and done 1.00 s before the load")
 
 
 def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_when_asked(

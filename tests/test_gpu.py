@@ -275,4 +275,8 @@ def test_one_gpu_resumes_its_optimizer_state(tmp_path, micro_batch):
     assert "resumed from" in second.stdout and "fp32 master weights" in second.stdout
     copied = re.search(r"read as raw bytes, (\d+) of them copied by the GPU from the page cache", second.stdout)
     assert copied and int(copied.group(1)) > 0  # registered with CUDA while the job started
+    timing = re.search(r"checkpoint files registered with CUDA ahead: (\d+) files \([\d.]+ GiB\), [\d.]+ s of "
+                       r"registering \(longest [\d.]+ s\), begun [\d.]+ s and done -?[\d.]+ s before the load",
+                       second.stdout)
+    assert timing and int(timing.group(1)) > 0, second.stdout[-3000:]  # and when, for the start-up's phases
     assert optimizer_step_counts(tmp_path / "checkpoints" / "step_00000008") == {8.0}

@@ -314,6 +314,8 @@ class VerifyAhead:
         if self._registered is None:
             return {}
         files = self._registered.take()  # taken either way: nothing more is registered once a load starts
+        if path == self.path:
+            log.info("checkpoint files registered with CUDA ahead: %s", self._registered.timing(time.perf_counter()))
         if self._registered.failure:
             log.info("checkpoint files are read through pinned buffers: %s", self._registered.failure)
         if path == self.path:

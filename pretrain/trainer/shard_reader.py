@@ -29,6 +29,7 @@ import pickle
 import struct
 import sys
 import threading
+import time
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -360,6 +361,7 @@ class RegisteredFiles:
         self._used = 0
         self._taken = False
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="checkpoint-register")
+        self._spans: list[tuple[float, float, int]] = []  # (began, ended, bytes) of each file registered in time
         self.failure: str | None = None
 
     def add(self, path: Path) -> None:
@@ -372,6 +374,7 @@ class RegisteredFiles:
             if self._taken or self.failure or size == 0 or self._used + size > self.budget:
                 return
             self._used += size
+        began = time.perf_counter()
         try:
             registration = Registration(path, self.device)
         except Exception as err:  # noqa: BLE001 - whatever stops it, the load reads the file as before
@@ -382,6 +385,7 @@ class RegisteredFiles:
         with self._lock:
             if not self._taken:
                 self._files[str(path.resolve())] = registration
+                self._spans.append((began, time.perf_counter(), size))
                 return
         registration.release()  # the load started meanwhile and reads this file as before
 
@@ -393,6 +397,24 @@ class RegisteredFiles:
             files, self._files = self._files, {}
         self._pool.shutdown(wait=False)
         return files
+
+    def timing(self, now: float) -> str:
+        """For the log, at the load (`now`, perf_counter): the files registered in time (`registering_summary`)."""
+        with self._lock:
+            return registering_summary(list(self._spans), now)
+
+
+def registering_summary(spans: list[tuple[float, float, int]], now: float) -> str:
+    """How many files were registered, of how many bytes, the seconds the registering threads spent, and when it
+    began and ended before `now` (the load). Set against the start-up's phases, it says what a requeued start waits
+    for (bench/NOTES.md, attempt 65). `spans` are (began, ended, bytes), perf_counter's."""
+    if not spans:
+        return "none registered in time"
+    seconds = [end - start for start, end, _ in spans]
+    began, ended = min(start for start, _, _ in spans), max(end for _, end, _ in spans)
+    return (f"{len(spans)} files ({sum(size for _, _, size in spans) / 2**30:.1f} GiB), {sum(seconds):.2f} s of "
+            f"registering (longest {max(seconds):.2f} s), begun {now - began:.2f} s and done {now - ended:.2f} s "
+            "before the load")
 
 
 def memory_budget(local_ranks: int, proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int:

@@ -327,10 +327,17 @@ def check_checksums_known(path: Path) -> None:
     A manifest that cannot be read is left to the check, which reports it as damage.
     """
     try:
-        files = read_manifest(path)["files"]
-        unknown = sorted({key for entry in files.values() if not entry.keys() & set(CHECKSUM_KINDS)
+        manifest = read_manifest(path)
+    except (OSError, ValueError):
+        return
+    _refuse_unknown_checksums(path, manifest)
+
+
+def _refuse_unknown_checksums(path: Path, manifest: dict[str, Any]) -> None:
+    try:
+        unknown = sorted({key for entry in manifest["files"].values() if not entry.keys() & set(CHECKSUM_KINDS)
                           for key in entry.keys() - {"size"}})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):  # no or malformed file entries: the check reports them
         return
     if unknown:
         raise CheckpointError(
@@ -344,8 +351,9 @@ def check_checksums_known(path: Path) -> None:
 def check_compatible(path: Path, cfg: ModelConfig) -> None:
     """Raise CheckpointError if `path` holds another model's weights (naming the differing fields) or
     was written by a newer pretrain (check_checksums_known)."""
-    check_checksums_known(path)
-    saved = read_manifest(path).get("model_shape", {})
+    manifest = read_manifest(path)
+    _refuse_unknown_checksums(path, manifest)
+    saved = manifest.get("model_shape", {})
     wanted = model_shape(cfg)
     differing = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in wanted.items() if saved.get(k) != v]
     if differing:

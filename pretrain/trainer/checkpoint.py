@@ -154,7 +154,8 @@ def saved_checksum() -> str:
 
 
 def checksum_of(path: Path, kind: str | None = None) -> int:
-    """The file's checksum of that kind (a key of CHECKSUMS; by default what a save records), read 16 MiB at a time."""
+    """The file's checksum of that kind (a key of CHECKSUMS; by default what a save records), read 16 MiB at a
+    time."""
     extend, value = CHECKSUMS[kind or saved_checksum()], 0
     with path.open("rb", buffering=0) as f:
         while chunk := f.read(CHECKSUM_CHUNK):
@@ -314,11 +315,11 @@ class VerifyAhead:
         if self._registered is None:
             return {}
         files = self._registered.take()  # taken either way: nothing more is registered once a load starts
-        if path == self.path:
-            log.info("checkpoint files registered with CUDA ahead: %s", self._registered.timing(time.perf_counter()))
+        taken = time.perf_counter()
         if self._registered.failure:
             log.info("checkpoint files are read through pinned buffers: %s", self._registered.failure)
         if path == self.path:
+            log.info("checkpoint files registered with CUDA ahead: %s", self._registered.timing(taken))
             return files
         shard_reader.release_now(files)
         return {}

@@ -4,6 +4,7 @@ for asynchronous saves the digests are computed off the training thread."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import zlib
@@ -192,8 +193,17 @@ def test_the_log_says_how_long_registering_took_and_when_against_the_load():
         "2 files (3.0 GiB), 1.25 s of registering (longest 0.75 s), begun 2.00 s and done 1.00 s before the load")
 
 
+def test_a_check_ahead_is_summarised_with_whether_the_load_waited_for_it():
+    """What a requeued job logs when its load asks for the check begun at its start: 3 GiB in 1.5 s, then asked
+    for half a second after it ended, or a quarter second before."""
+    assert checkpoint.check_summary((2, 3 << 30), began=10.0, ended=11.5, asked=12.0) == (
+        "2 files (3.0 GiB) in 1.50 s, done 0.50 s before the load asked for it")
+    assert checkpoint.check_summary((2, 3 << 30), began=10.0, ended=11.5, asked=11.25) == (
+        "2 files (3.0 GiB) in 1.50 s, the load waited 0.25 s for it")
+
+
 def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_when_asked(
-        tmp_path, one_process_group, monkeypatch):
+        tmp_path, one_process_group, monkeypatch, caplog):
     model, optimizer = model_and_optimizer()
     saver = Checkpointer(tmp_path, keep=5)
     older = saver.save(3, model, optimizer, {"step": 3}, ModelConfig(), "hash")
@@ -203,10 +213,15 @@ def test_the_newest_checkpoint_is_checked_ahead_in_the_background_and_others_whe
     check = checkpoint.problems
     monkeypatch.setattr(checkpoint, "problems", lambda *a: checking_threads.append(threading.current_thread()) or check(*a))
 
+    caplog.set_level(logging.INFO, logger=checkpoint.__name__)
     ahead = checkpoint.VerifyAhead(tmp_path, rank=0, world_size=1)
     assert ahead.path == newest
     assert checkpoint.verify(newest, ahead) == ["__0_0.distcp fails its checksum"]
     assert checking_threads[0].name.startswith("checkpoint-verify") and len(checking_threads) == 1
+    files = read_manifest(newest)["files"]
+    size = sum(entry["size"] for entry in files.values())
+    summary = f"checkpoint {newest.name} checked ahead: {len(files)} files ({size / 2**30:.1f} GiB) in "
+    assert any(r.getMessage().startswith(summary) for r in caplog.records), caplog.text
     assert ahead.problems_of(older) is None and checkpoint.verify(older, ahead) == []
     assert checking_threads[1] is threading.main_thread()
     assert checkpoint.VerifyAhead(tmp_path / "none", rank=0, world_size=1).path is None

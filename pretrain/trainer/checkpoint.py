@@ -277,15 +277,22 @@ class VerifyAhead:
         self._result: Future | None = None
         self._manifest: dict[str, Any] | None = None
         self._registered, self._rank, self._world_size = registered, rank, world_size
+        self._span = (0.0, 0.0)  # when the check began and ended (perf_counter)
         if self.path is not None:
             try:  # read once, here, for `registers_all` and the check; an unreadable one the check reports
                 self._manifest = read_manifest(self.path)
             except (OSError, ValueError):
                 pass
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify")
-            self._result = pool.submit(problems, self.path, rank, world_size,
-                                       registered.add if registered is not None else None, self._manifest)
+            self._result = pool.submit(self._check)
             pool.shutdown(wait=False)
+
+    def _check(self) -> list[str]:
+        began = time.perf_counter()
+        found = problems(self.path, self._rank, self._world_size,
+                         self._registered.add if self._registered is not None else None, self._manifest)
+        self._span = (began, time.perf_counter())
+        return found
 
     def registers_all(self) -> bool:
         """Whether this rank's load can take every shard file it reads registered: the checkpoint was written
@@ -307,7 +314,18 @@ class VerifyAhead:
         """This rank's problems with `path` if it was checked ahead (waiting for the check), else None."""
         if self._result is None or path != self.path:
             return None
-        return self._result.result()
+        asked = time.perf_counter()
+        found = self._result.result()
+        log.info("checkpoint %s checked ahead: %s", path.name, check_summary(self._share_bytes(), *self._span, asked))
+        return found
+
+    def _share_bytes(self) -> tuple[int, int]:
+        """The files this rank checks and their bytes, by the manifest ((0, 0) where it is unreadable)."""
+        try:
+            share = share_of(self._manifest, self._rank, self._world_size)
+            return len(share), sum(self._manifest["files"][name]["size"] for name in share)
+        except (TypeError, KeyError):
+            return 0, 0
 
     def registrations(self, path: Path | None) -> dict[str, Registration]:
         """The registered files of `path` for its load (which releases them); for another folder, or None when
@@ -323,6 +341,16 @@ class VerifyAhead:
             return files
         shard_reader.release_now(files)
         return {}
+
+
+def check_summary(share: tuple[int, int], began: float, ended: float, asked: float) -> str:
+    """For the log: a check ahead's files and bytes (`share`), its seconds, and whether the load, which asked for
+    its result at `asked`, waited for it (perf_counter's). Set against the start-up's phases, it says whether a
+    requeued start waits for its check or the check runs beside the rest (bench/NOTES.md, attempt 66)."""
+    files, size = share
+    done = (f"done {asked - ended:.2f} s before the load asked for it" if ended <= asked
+            else f"the load waited {ended - asked:.2f} s for it")
+    return f"{files} files ({size / 2**30:.1f} GiB) in {ended - began:.2f} s, {done}"
 
 
 def verify(path: Path, ahead: VerifyAhead | None = None) -> list[str]:

@@ -2,9 +2,10 @@
 
 On one GPU a requeued job checks the whole 17 GiB of the 1B shape in a background thread pool from its start,
 and its load waits for that check (bench/NOTES.md, attempts 63 and 65): this times the package's check
-(`checkpoint.checksum_of`, `writer_threads()` files at a time) beside zlib's CRC32 as the package computed
-it before (16 MiB chunks into one buffer), other chunk sizes, thread counts, and one `zlib.crc32` over a
-read-only mapping of each whole file (no copy, one release of the GIL a file).
+(`checksums.checksum_of`: since attempt 66 each file mapped and summed in place, `writer_threads()` files at a
+time) beside CRC32C read in 16 MiB chunks as the package computed it before (attempt 65), zlib's CRC32 as before
+that (16 MiB chunks into one buffer), other chunk sizes, thread counts, and one `zlib.crc32` over a read-only
+mapping of each whole file (no copy, one release of the GIL a file).
 
     python bench/checksum.py CHECKPOINT_FOLDER --name NAME --out DIR
     python bench/checksum.py FOLDER --make-gib 17 ...   # first writes writer_threads() files of 17 GiB in all
@@ -27,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+import google_crc32c  # noqa: E402
 
-from pretrain.trainer import checkpoint  # noqa: E402
+from pretrain.trainer import checkpoint, checksums  # noqa: E402
 
 
 def chunked(size: int) -> Callable[[Path], int]:
@@ -41,6 +43,15 @@ def chunked(size: int) -> Callable[[Path], int]:
                 value = zlib.crc32(view[:n], value)
         return value
     return crc
+
+
+def crc32c_read(path: Path) -> int:
+    """CRC32C of 16 MiB chunks read as new objects (the package's from attempt 65 to 66)."""
+    value = 0
+    with path.open("rb", buffering=0) as f:
+        while chunk := f.read(16 << 20):
+            value = google_crc32c.extend(value, chunk)
+    return value
 
 
 def mapped(path: Path) -> int:
@@ -81,12 +92,13 @@ def main() -> None:
     if not files:
         sys.exit(f"error: no shard files (*.distcp) in {args.folder}: give a checkpoint's folder, or --make-gib")
     total = sum(f.stat().st_size for f in files)
-    package = f"package: {checkpoint.saved_checksum()}, 16 MiB chunks"
-    variants = [(package, checkpoint.checksum_of, package_threads)]
+    package = f"package: {checksums.saved_kind()}, mapped"
+    variants = [(package, checksums.checksum_of, package_threads),
+                ("crc32c, 16 MiB chunks read", crc32c_read, package_threads)]
     for threads in sorted({package_threads, os.cpu_count() or package_threads}):
         variants += [(f"crc32, {mib} MiB chunks", chunked(mib << 20), threads) for mib in (1, 16, 64)]
         variants.append(("crc32, mapped whole file", mapped, threads))
-    timed(checkpoint.checksum_of, files, package_threads)  # into the page cache, if they were not
+    timed(checksums.checksum_of, files, package_threads)  # into the page cache, if they were not
     rows, expected = [], {}
     for label, crc, threads in variants:
         runs = [timed(crc, files, threads) for _ in range(args.repeats)]

@@ -15,7 +15,8 @@ import torch
 
 from pretrain.trainer import checkpoint, shard_reader
 from pretrain.rundir import read_manifest
-from pretrain.trainer.checkpoint import Checkpointer, checksum_of, problems
+from pretrain.trainer.checkpoint import Checkpointer, problems
+from pretrain.trainer.checksums import checksum_of
 from pretrain.config import ModelConfig
 from tests import helpers
 

@@ -19,7 +19,7 @@ shards with `dcp.save` over a gloo group of its own, and the folder is published
 barrier, manifest and rename, once every rank has finished writing (`poll`, `wait`).
 
 Each rank writes its shards as several files with as many threads (`writer_threads`). The
-manifest lists every file of the checkpoint with its size and checksum (`CHECKSUMS`); each rank digests the files
+manifest lists every file of the checkpoint with its size and checksum (`checksums`); each rank digests the files
 it wrote, in parallel and, for asynchronous saves, in the writer thread, so training never waits
 for the digests. `verify` checks them before a load, several files at a time; the training start
 falls back to the previous checkpoint when the newest is damaged, and renames the damaged one aside
@@ -40,7 +40,6 @@ import os
 import re
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -48,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -56,9 +54,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pretrain.config import ModelConfig
 from pretrain.parallel.float8 import plain_tensors
-from pretrain.rundir import (CHECKSUM_KINDS, DAMAGED, MANIFEST, PARTIAL, REMOVING, CheckpointError,
+from pretrain.rundir import (DAMAGED, MANIFEST, PARTIAL, REMOVING, CheckpointError,
                              complete_checkpoints, model_shape, read_manifest, step_dir_name, step_of)
-from pretrain.trainer import resilience, shard_reader
+from pretrain.trainer import checksums, resilience, shard_reader
 from pretrain.trainer.distributed import all_agree, collective_failed
 from pretrain.trainer.shard_reader import ParallelReader, RegisteredFiles, Registration
 from pretrain.trainer.staging import HostStaging
@@ -134,40 +132,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-# A manifest records each file's checksum under its kind's name. Saves record CRC32C, which the CPU computes
-# with an instruction of its own (google-crc32c's compiled extension: 16 GB/s a core on the CPU machine,
-# zlib's CRC32 3.3): on one GPU a requeued job's load waits for the check of its whole checkpoint, 17 GiB
-# for the 1B shape (bench/NOTES.md, attempt 65). CRC32 is what manifests written before it hold, and what
-# a save records where google-crc32c has only its pure-Python fallback. The kinds are the run directory's
-# contract (rundir.CHECKSUM_KINDS, which a launch checks without torch); here is how each is computed.
-_EXTEND: dict[str, Callable[[int, bytes], int]] = {
-    "crc32c": google_crc32c.extend,
-    "crc32": lambda value, chunk: zlib.crc32(chunk, value),
-}
-CHECKSUMS = {kind: _EXTEND[kind] for kind in CHECKSUM_KINDS}
-CHECKSUM_CHUNK = 1 << 24
-
-
-def saved_checksum() -> str:
-    """The kind of checksum a save records: CRC32C where google-crc32c's compiled extension is installed."""
-    return "crc32c" if google_crc32c.implementation == "c" else "crc32"
-
-
-def checksum_of(path: Path, kind: str | None = None) -> int:
-    """The file's checksum of that kind (a key of CHECKSUMS; by default what a save records), read 16 MiB at a
-    time."""
-    extend, value = CHECKSUMS[kind or saved_checksum()], 0
-    with path.open("rb", buffering=0) as f:
-        while chunk := f.read(CHECKSUM_CHUNK):
-            value = extend(value, chunk)
-    return value
-
-
 def digest(folder: Path, names: list[str]) -> dict[str, dict[str, int]]:
     """Size and checksum of each file, several files at a time (both checksums release the GIL)."""
-    kind = saved_checksum()
+    kind = checksums.saved_kind()
     with ThreadPoolExecutor(max_workers=writer_threads()) as pool:
-        sums = list(pool.map(lambda path: checksum_of(path, kind), [folder / name for name in names]))
+        sums = list(pool.map(lambda path: checksums.checksum_of(path, kind), [folder / name for name in names]))
     return {name: {"size": (folder / name).stat().st_size, kind: value} for name, value in zip(names, sums)}
 
 
@@ -247,10 +216,10 @@ def problems(path: Path, rank: int = 0, world_size: int = 1,
             return f"{name} is missing"
         if file.stat().st_size != files[name]["size"]:
             return f"{name} has {file.stat().st_size} bytes, not {files[name]['size']}"
-        kind = next((kind for kind in CHECKSUMS if kind in files[name]), None)
+        kind = next((kind for kind in checksums.EXTEND if kind in files[name]), None)
         if kind is None:
             return f"{name} has no checksum in the manifest"
-        if checksum_of(file, kind) != files[name][kind]:
+        if checksums.checksum_of(file, kind) != files[name][kind]:
             return f"{name} fails its checksum"
         if passed is not None and name.endswith(".distcp"):
             passed(file)

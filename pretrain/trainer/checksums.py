@@ -81,7 +81,6 @@ def _sum_mapped(fd: int, size: int, kind: str) -> int | None:
     except (OSError, ValueError):  # a file system that does not map files
         return None
     with mapping:
-        mapping.madvise(mmap.MADV_SEQUENTIAL)
         if extend is None:
             return zlib.crc32(mapping)
         with warnings.catch_warnings():

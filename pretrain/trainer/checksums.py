@@ -75,7 +75,10 @@ def _sum_mapped(fd: int, size: int, kind: str) -> int | None:
         return None
     # A requeue on another node finds the file on the shared file system, not in the page cache: read it all
     # ahead, as a read of 16 MiB would be, rather than fault it in a readahead window at a time.
-    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+    try:
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+    except OSError:  # advice only
+        pass
     try:
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     except (OSError, ValueError):  # a file system that does not map files

@@ -49,11 +49,11 @@ def _crc32c_extend() -> Callable[[int, int, int], int] | None:
     extension, whose dependencies `dlsym` searches. None where only the pure-Python fallback is installed."""
     if google_crc32c.implementation != "c":
         return None
-    from google_crc32c import _crc32c
-
     try:
+        from google_crc32c import _crc32c
+
         extend = ctypes.CDLL(_crc32c.__file__).crc32c_extend
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):  # another build of it: the sum reads as before
         return None
     extend.restype, extend.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
     return extend
